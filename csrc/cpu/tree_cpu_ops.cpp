@@ -1,0 +1,117 @@
+// CPU implementations of the torchreplay tree ops: argument checks, then the torch-free kernels in
+// tree_cpu.h run on ATen's intra-op thread pool. Every check runs before any write, so a rejected
+// call leaves the tree unchanged.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../tree_checks.h"
+#include "tree_cpu.h"
+
+namespace torchreplay {
+namespace {
+
+struct AtenParallelFor {
+  template <typename Fn>
+  void operator()(int64_t begin, int64_t end, int64_t grain, Fn&& fn) const {
+    at::parallel_for(begin, end, grain, fn);
+  }
+};
+
+void check_index_values(const at::Tensor& indices, int64_t capacity) {
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i) {
+    TORCH_CHECK_INDEX(tree::valid_index(idx[i], capacity), "indices[", i, "] = ", idx[i],
+                      " is out of range for a tree of capacity ", capacity);
+  }
+}
+
+template <typename scalar_t>
+void check_priority_values(const at::Tensor& priorities) {
+  const scalar_t* p = priorities.data_ptr<scalar_t>();
+  for (int64_t i = 0; i < priorities.numel(); ++i) {
+    TORCH_CHECK_VALUE(tree::valid_priority(p[i]), "priorities[", i, "] = ", p[i],
+                      " is not a finite non-negative number");
+  }
+}
+
+void tree_update_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, const at::Tensor& indices_in,
+                     const at::Tensor& priorities_in, int64_t capacity) {
+  check_tree_storage(leaves, sums, mins, capacity);
+  check_indices(indices_in, leaves);
+  check_priorities(priorities_in, indices_in, leaves);
+  const at::Tensor indices = indices_in.contiguous();
+  const at::Tensor priorities = priorities_in.contiguous();
+  check_index_values(indices, capacity);
+  const tree::Layout L = tree::make_layout(capacity);
+  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_update_cpu", [&] {
+    check_priority_values<scalar_t>(priorities);
+    tree::cpu::update(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), mins.data_ptr<double>(),
+                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), indices.numel(),
+                      AtenParallelFor{});
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, const at::Tensor& sums,
+                                                   const at::Tensor& u_in, int64_t capacity, bool stratified) {
+  TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  check_uniforms(u_in, leaves);
+  const at::Tensor u = u_in.contiguous();
+  const double* uv = u.data_ptr<double>();
+  for (int64_t i = 0; i < u.numel(); ++i) {
+    TORCH_CHECK_VALUE(tree::valid_uniform(uv[i]), "u[", i, "] = ", uv[i], " is outside [0, 1)");
+  }
+  const int64_t n = u.numel();
+  at::Tensor indices = at::empty({n}, leaves.options().dtype(at::kLong));
+  at::Tensor priorities = at::empty({n}, leaves.options());
+  if (n == 0) return {indices, priorities};
+  const double total = sums.data_ptr<double>()[0];
+  TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
+  const tree::Layout L = tree::make_layout(capacity);
+  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_cpu", [&] {
+    tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), uv, n, stratified,
+                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), AtenParallelFor{});
+  });
+  return {indices, priorities};
+}
+
+at::Tensor tree_get_cpu(const at::Tensor& leaves, const at::Tensor& indices_in, int64_t capacity) {
+  check_indices(indices_in, leaves);
+  const at::Tensor indices = indices_in.contiguous();
+  check_index_values(indices, capacity);
+  return leaves.index_select(0, indices);
+}
+
+void tree_rebuild_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, int64_t capacity) {
+  check_tree_storage(leaves, sums, mins, capacity);
+  const tree::Layout L = tree::make_layout(capacity);
+  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_rebuild_cpu", [&] {
+    check_priority_values<scalar_t>(leaves);
+    tree::cpu::rebuild(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), mins.data_ptr<double>(),
+                       AtenParallelFor{});
+  });
+}
+
+// The root holds the total and the global live minimum; reading it is a device-side slice, so the
+// same function serves every device without a host round trip.
+at::Tensor tree_root(const at::Tensor& levels) {
+  TORCH_CHECK(levels.dim() == 1 && levels.numel() >= 1 && levels.scalar_type() == at::kDouble,
+              "expected the tree's float64 sums/mins array, got ", levels.scalar_type(), " of shape ",
+              levels.sizes());
+  return levels.select(0, 0).clone();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchreplay, CPU, m) {
+  m.impl("tree_update", &tree_update_cpu);
+  m.impl("tree_sample", &tree_sample_cpu);
+  m.impl("tree_get", &tree_get_cpu);
+  m.impl("tree_rebuild", &tree_rebuild_cpu);
+}
+
+TORCH_LIBRARY_IMPL(torchreplay, CompositeExplicitAutograd, m) {
+  m.impl("tree_total", &tree_root);
+  m.impl("tree_min", &tree_root);
+}
+
+}  // namespace torchreplay

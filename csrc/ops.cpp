@@ -1,0 +1,40 @@
+// Op schemas for the torchreplay namespace, declared once. Back ends register implementations per
+// dispatch key in cpu/tree_cpu_ops.cpp and cuda/tree_cuda_ops.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifdef TORCHREPLAY_WITH_CUDA
+#include "cuda/tree_cuda.h"
+#endif
+
+// Importing torchreplay._C runs the registrations below; the module itself exposes nothing.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace torchreplay {
+
+// -1 when built without CUDA; otherwise CUDART_VERSION (e.g. 12080), compared with torch's at import.
+int64_t cuda_version() {
+#ifdef TORCHREPLAY_WITH_CUDA
+  return tree::cuda::runtime_version();
+#else
+  return -1;
+#endif
+}
+
+TORCH_LIBRARY(torchreplay, m) {
+  m.def("tree_update(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, Tensor indices, Tensor priorities, "
+        "int capacity) -> ()");
+  m.def("tree_sample(Tensor leaves, Tensor sums, Tensor u, int capacity, bool stratified) -> (Tensor, Tensor)");
+  m.def("tree_total(Tensor sums) -> Tensor");
+  m.def("tree_min(Tensor mins) -> Tensor");
+  m.def("tree_get(Tensor leaves, Tensor indices, int capacity) -> Tensor");
+  m.def("tree_rebuild(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, int capacity) -> ()");
+  m.def("cuda_version() -> int", &cuda_version);
+}
+
+}  // namespace torchreplay

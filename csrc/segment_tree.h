@@ -1,0 +1,171 @@
+// Tree arithmetic shared by the CPU and CUDA back ends.
+//
+// Everything here is `__host__ __device__` inline code over raw pointers, so the CPU tests run the
+// same descent and update logic that the GPU runs, and the two back ends return the same indices
+// for the same uniforms.
+//
+// Layout: a K-ary tree (K = 8) whose internal nodes are float64 sums. Eight doubles are one 64-byte
+// cache line, so a descent touches one line per level: 7 levels for 2^20 leaves instead of 20 for a
+// binary tree. Internal levels are stored top-down in one flat array; level d holds
+// ceil(capacity / K^(depth - d)) nodes, padded to a multiple of K so that every node's children can
+// be read as one full group without bounds checks (padding is zero). Leaves live in their own array
+// (float32 or float64), padded to a multiple of K with zeros. A parallel `mins` array holds, for
+// every internal node, the minimum over the *live* (priority > 0) leaves below it, +inf if none.
+//
+// Precision: a parent is always recomputed from its children in a fixed order, never updated by a
+// delta, so sums cannot drift no matter how many updates run; the root differs from the exact sum of
+// the leaves only by the rounding of one summation tree (depth * K additions).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define TR_HD __host__ __device__ __forceinline__
+#define TR_UNROLL _Pragma("unroll")
+#else
+#define TR_HD inline
+#define TR_UNROLL _Pragma("GCC unroll 8")
+#endif
+
+namespace torchreplay {
+namespace tree {
+
+constexpr int kArity = 8;
+// 8^21 > 2^63, so no int64 capacity needs more levels.
+constexpr int kMaxDepth = 21;
+
+struct Layout {
+  int64_t capacity;      // number of addressable leaves
+  int64_t padded_leaves;  // capacity rounded up to a multiple of kArity
+  int depth;              // number of internal levels (root is level 0)
+  int64_t level_offset[kMaxDepth + 1];  // start of each internal level in `sums`/`mins`
+  int64_t level_size[kMaxDepth];        // stored (padded) node count per internal level
+  int64_t level_nodes[kMaxDepth];       // nodes that cover at least one leaf; the rest stay 0 / +inf
+  int64_t internal_nodes;               // total stored internal nodes
+};
+
+TR_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+TR_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// capacity >= 1. Deterministic in capacity alone, so the host and the device agree on it.
+TR_HD Layout make_layout(int64_t capacity) {
+  Layout L{};
+  L.capacity = capacity;
+  L.padded_leaves = round_up(capacity, kArity);
+  int depth = 1;
+  int64_t span = kArity;  // leaves under one node of the bottom internal level... times K^(depth-1)
+  while (span < capacity) {
+    span *= kArity;
+    ++depth;
+  }
+  L.depth = depth;
+  int64_t offset = 0;
+  for (int d = 0; d < depth; ++d) {
+    // Leaves covered by one node at level d: K^(depth - d).
+    int64_t cover = 1;
+    for (int i = 0; i < depth - d; ++i) cover *= kArity;
+    int64_t nodes = ceil_div(capacity, cover);
+    int64_t stored = d == 0 ? 1 : round_up(nodes, kArity);
+    L.level_offset[d] = offset;
+    L.level_size[d] = stored;
+    L.level_nodes[d] = nodes;
+    offset += stored;
+  }
+  L.level_offset[depth] = offset;
+  L.internal_nodes = offset;
+  return L;
+}
+
+// Leaf count covered by one node at internal level d.
+TR_HD int64_t cover_of_level(const Layout& L, int d) {
+  int64_t cover = 1;
+  for (int i = 0; i < L.depth - d; ++i) cover *= kArity;
+  return cover;
+}
+
+TR_HD double positive_infinity() { return __builtin_huge_val(); }
+
+// Recompute internal node j of level d from its K children. Children are summed left to right in
+// float64, which fixes the rounding so every back end produces bit-identical sums.
+template <typename scalar_t>
+TR_HD void recompute_node(const Layout& L, const scalar_t* leaves, double* sums, double* mins, int d,
+                          int64_t j) {
+  double total = 0.0;
+  double lowest = positive_infinity();
+  if (d == L.depth - 1) {
+    const scalar_t* child = leaves + j * kArity;
+TR_UNROLL
+    for (int c = 0; c < kArity; ++c) {
+      double v = static_cast<double>(child[c]);
+      total += v;
+      if (v > 0.0 && v < lowest) lowest = v;
+    }
+  } else {
+    const int64_t base = L.level_offset[d + 1] + j * kArity;
+TR_UNROLL
+    for (int c = 0; c < kArity; ++c) {
+      total += sums[base + c];
+      double m = mins[base + c];
+      if (m < lowest) lowest = m;
+    }
+  }
+  sums[L.level_offset[d] + j] = total;
+  mins[L.level_offset[d] + j] = lowest;
+}
+
+// Pick the child of a node whose prefix range contains `target`, and make `target` relative to it.
+// A zero-priority child is never chosen, even when rounding pushes `target` to or past the node's
+// total: then the last child with positive mass is taken. This is what keeps an index >= capacity
+// (or a dead leaf) from ever coming back, a known failure of float32 trees.
+template <typename value_t>
+TR_HD int choose_child(const value_t* children, double& target) {
+  int last_positive = -1;
+TR_UNROLL
+  for (int c = 0; c < kArity; ++c) {
+    double v = static_cast<double>(children[c]);
+    if (v > 0.0) {
+      if (target < v) return c;
+      last_positive = c;
+      target -= v;
+    }
+  }
+  // Rounding overshoot: stay inside the last live child. Its own descent then lands on its last
+  // live leaf. last_positive is -1 only when the node is empty, which callers rule out.
+  if (last_positive >= 0) target = static_cast<double>(children[last_positive]);
+  return last_positive < 0 ? 0 : last_positive;
+}
+
+// Map a uniform u in [0, 1) for sample k of a batch of n to a prefix-sum target in [0, total).
+// Stratified: sample k draws from [k/n, (k+1)/n). The expression is written so that the CPU
+// (compiled with -ffp-contract=off) and the GPU (--fmad=false) round it identically.
+TR_HD double sample_target(double u, int64_t k, int64_t n, bool stratified, double total) {
+  double unit = stratified ? (static_cast<double>(k) + u) / static_cast<double>(n) : u;
+  return unit * total;
+}
+
+// Descend from the root to a leaf. Requires sums[root] > 0.
+template <typename scalar_t>
+TR_HD int64_t descend(const Layout& L, const scalar_t* leaves, const double* sums, double target) {
+  int64_t node = 0;
+  for (int d = 1; d < L.depth; ++d) {
+    const double* children = sums + L.level_offset[d] + node * kArity;
+    node = node * kArity + choose_child(children, target);
+  }
+  const scalar_t* children = leaves + node * kArity;
+  return node * kArity + choose_child(children, target);
+}
+
+// Validity rules shared by the host-side checks and the device kernels.
+template <typename scalar_t>
+TR_HD bool valid_priority(scalar_t p) {
+  double v = static_cast<double>(p);
+  return v >= 0.0 && v < positive_infinity();  // false for NaN, negative, +inf
+}
+
+TR_HD bool valid_index(int64_t i, int64_t capacity) { return i >= 0 && i < capacity; }
+
+TR_HD bool valid_uniform(double u) { return u >= 0.0 && u < 1.0; }
+
+}  // namespace tree
+}  // namespace torchreplay

@@ -1,0 +1,191 @@
+// C++ unit tests of the torch-free tree core (csrc/segment_tree.h and csrc/cpu/tree_cpu.h),
+// against a plain float64 reference. No framework: each check prints what failed and the test
+// exits non-zero, which is what ctest reads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpu/tree_cpu.h"
+
+using namespace torchreplay::tree;
+
+namespace {
+
+int failures = 0;
+
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      std::printf(__VA_ARGS__);                            \
+      std::printf("\n");                                   \
+      ++failures;                                          \
+    }                                                      \
+  } while (0)
+
+struct SerialFor {
+  template <typename Fn>
+  void operator()(int64_t begin, int64_t end, int64_t, Fn&& fn) const {
+    if (begin < end) fn(begin, end);
+  }
+};
+
+// Two threads over halves: exercises the kernels' claim that chunks are independent.
+struct TwoThreadFor {
+  template <typename Fn>
+  void operator()(int64_t begin, int64_t end, int64_t, Fn&& fn) const {
+    if (begin >= end) return;
+    int64_t mid = begin + (end - begin) / 2;
+    std::thread t([&] { if (begin < mid) fn(begin, mid); });
+    fn(mid, end);
+    t.join();
+  }
+};
+
+template <typename scalar_t>
+struct Tree {
+  Layout L;
+  std::vector<scalar_t> leaves;
+  std::vector<double> sums, mins;
+  explicit Tree(int64_t capacity)
+      : L(make_layout(capacity)),
+        leaves(L.padded_leaves, 0),
+        sums(L.internal_nodes, 0.0),
+        mins(L.internal_nodes, positive_infinity()) {}
+};
+
+// Reference descent over the flat prefix sums of the leaves.
+int64_t reference_index(const std::vector<double>& p, double target) {
+  int64_t last = -1;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] > 0) {
+      if (target < p[i]) return static_cast<int64_t>(i);
+      last = static_cast<int64_t>(i);
+      target -= p[i];
+    }
+  }
+  return last;
+}
+
+void test_layout() {
+  for (int64_t cap : {1LL, 7LL, 8LL, 9LL, 64LL, 65LL, 1000LL, 1LL << 20, (1LL << 20) + 3}) {
+    Layout L = make_layout(cap);
+    CHECK(L.padded_leaves >= cap && L.padded_leaves % kArity == 0, "cap=%lld", (long long)cap);
+    CHECK(cover_of_level(L, 0) >= cap, "root must cover every leaf, cap=%lld", (long long)cap);
+    CHECK(L.level_size[0] == 1, "single root");
+    for (int d = 1; d < L.depth; ++d) {
+      CHECK(L.level_size[d] % kArity == 0, "level %d padded", d);
+      CHECK(L.level_size[d] >= L.level_size[d - 1] * 1, "levels grow");
+      CHECK(L.level_size[d] >= (cap + cover_of_level(L, d) - 1) / cover_of_level(L, d), "level %d covers", d);
+    }
+  }
+}
+
+template <typename scalar_t, typename For>
+void test_update_sample(int64_t capacity, int rounds, uint32_t seed) {
+  Tree<scalar_t> t(capacity);
+  std::vector<double> ref(capacity, 0.0);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> pick(0, capacity - 1);
+  std::uniform_real_distribution<double> val(0.0, 10.0), unit(0.0, 1.0);
+  for (int r = 0; r < rounds; ++r) {
+    int64_t n = 1 + static_cast<int64_t>(rng() % 64);
+    std::vector<int64_t> idx(n);
+    std::vector<scalar_t> pr(n);
+    for (int64_t i = 0; i < n; ++i) {
+      idx[i] = pick(rng);
+      // A fifth of updates kill a leaf, so zero leaves sit among live ones.
+      pr[i] = rng() % 5 == 0 ? scalar_t(0) : static_cast<scalar_t>(val(rng));
+    }
+    cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), n, For{});
+    for (int64_t i = 0; i < n; ++i) ref[idx[i]] = static_cast<double>(pr[i]);  // last wins
+
+    double exact = 0, lowest = positive_infinity();
+    for (double v : ref) {
+      exact += v;
+      if (v > 0) lowest = std::min(lowest, v);
+    }
+    CHECK(std::fabs(t.sums[0] - exact) <= 1e-12 * std::max(1.0, exact), "root %.17g vs %.17g", t.sums[0], exact);
+    CHECK(t.mins[0] == lowest, "min %.17g vs %.17g", t.mins[0], lowest);
+    for (int64_t i = 0; i < capacity; ++i) CHECK(static_cast<double>(t.leaves[i]) == ref[i], "leaf %lld", (long long)i);
+    if (exact <= 0) continue;
+
+    const int64_t B = 33;
+    std::vector<double> u(B);
+    for (double& x : u) x = unit(rng);
+    u[0] = 0.0;
+    u[B - 1] = std::nextafter(1.0, 0.0);  // the boundary that breaks fp32 trees elsewhere
+    std::vector<int64_t> out(B);
+    std::vector<scalar_t> outp(B);
+    cpu::sample(t.L, t.leaves.data(), t.sums.data(), u.data(), B, true, out.data(), outp.data(), For{});
+    for (int64_t k = 0; k < B; ++k) {
+      CHECK(out[k] >= 0 && out[k] < capacity, "index %lld out of range", (long long)out[k]);
+      CHECK(ref[out[k]] > 0, "sampled dead leaf %lld", (long long)out[k]);
+      CHECK(k == 0 || out[k] >= out[k - 1], "stratified samples come back sorted");
+      CHECK(static_cast<double>(outp[k]) == ref[out[k]], "priority of sample %lld", (long long)k);
+      CHECK(out[k] == descend(t.L, t.leaves.data(), t.sums.data(), sample_target(u[k], k, B, true, t.sums[0])),
+            "batched and single descent agree");
+      // Away from rounding-level ties the tree picks what the flat reference picks.
+      double target = sample_target(u[k], k, B, true, exact);
+      int64_t expect = reference_index(ref, target);
+      double prefix = 0;
+      for (int64_t i = 0; i < expect; ++i) prefix += ref[i];
+      bool near_edge = std::fabs(target - prefix) < 1e-9 * exact || std::fabs(target - prefix - ref[expect]) < 1e-9 * exact;
+      CHECK(near_edge || out[k] == expect, "sample %lld: tree %lld vs reference %lld", (long long)k,
+            (long long)out[k], (long long)expect);
+    }
+  }
+}
+
+void test_rebuild_matches_updates() {
+  Tree<float> a(1000), b(1000);
+  std::vector<int64_t> idx(1000);
+  std::vector<float> pr(1000);
+  for (int64_t i = 0; i < 1000; ++i) {
+    idx[i] = i;
+    pr[i] = static_cast<float>((i * 37) % 11);
+  }
+  cpu::update(a.L, a.leaves.data(), a.sums.data(), a.mins.data(), idx.data(), pr.data(), 1000, SerialFor{});
+  std::copy(pr.begin(), pr.end(), b.leaves.begin());
+  cpu::rebuild(b.L, b.leaves.data(), b.sums.data(), b.mins.data(), SerialFor{});
+  CHECK(a.sums == b.sums, "rebuild equals incremental sums");
+  CHECK(a.mins == b.mins, "rebuild equals incremental mins");
+}
+
+void test_single_live_leaf_at_every_boundary() {
+  // Only the last leaf is live: every u, including the largest double below 1, must land on it.
+  for (int64_t cap : {1LL, 8LL, 9LL, 513LL}) {
+    Tree<float> t(cap);
+    int64_t last = cap - 1;
+    float one = 1e-30f;  // tiny mass: targets and sums round hard
+    cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), &last, &one, 1, SerialFor{});
+    double us[] = {0.0, 0.5, std::nextafter(1.0, 0.0)};
+    for (double u : us) {
+      int64_t got = descend(t.L, t.leaves.data(), t.sums.data(), sample_target(u, 0, 1, false, t.sums[0]));
+      CHECK(got == last, "cap %lld u %.17g -> %lld", (long long)cap, u, (long long)got);
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  test_layout();
+  test_update_sample<float, SerialFor>(1, 50, 1);
+  test_update_sample<float, SerialFor>(9, 200, 2);
+  test_update_sample<double, SerialFor>(100, 200, 3);
+  test_update_sample<float, TwoThreadFor>(5000, 100, 4);
+  test_update_sample<double, TwoThreadFor>(70000, 20, 5);
+  test_rebuild_matches_updates();
+  test_single_live_leaf_at_every_boundary();
+  if (failures) {
+    std::printf("%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("tree core: all checks passed\n");
+  return 0;
+}

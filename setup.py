@@ -1,0 +1,51 @@
+"""Builds torchreplay._C with torch.utils.cpp_extension.
+
+CUDA sources join the build only when torch itself has CUDA and nvcc is found, so a CPU-only
+machine never needs the CUDA toolkit. DEBUG=1 builds with -O0 -g.
+"""
+
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = Path(__file__).parent
+DEBUG = os.environ.get("DEBUG", "0") == "1"
+# Sample targets must round identically on the CPU and the GPU, so no fused multiply-add anywhere.
+CXX_FLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
+CXX_FLAGS += ["-std=c++17", "-fopenmp", "-ffp-contract=off"]
+NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17"]
+
+
+def want_cuda() -> bool:
+    if os.environ.get("TORCHREPLAY_FORCE_CPU", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def extension():
+    sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp"]
+    if want_cuda():
+        sources += ["csrc/cuda/tree_cuda.cu", "csrc/cuda/tree_cuda_ops.cpp"]
+        # torch's CUDA headers need C++20 from 2.14 on.
+        cxx = [f for f in CXX_FLAGS if not f.startswith("-std=")] + ["-std=c++20", "-DTORCHREPLAY_WITH_CUDA"]
+        return CUDAExtension(
+            "torchreplay._C",
+            sources,
+            extra_compile_args={"cxx": cxx, "nvcc": NVCC_FLAGS},
+            extra_link_args=["-fopenmp"],
+        )
+    return CppExtension(
+        "torchreplay._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"]
+    )
+
+
+setup(
+    name="torchreplay",
+    version="0.1.0",
+    packages=find_packages(include=["torchreplay", "torchreplay.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

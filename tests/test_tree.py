@@ -1,0 +1,301 @@
+"""SegmentTree and the torchreplay tree ops, against a NumPy float64 reference."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+import torchreplay as tr
+from torchreplay._ops import ops
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def reference_sample(p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Stratified inverse-CDF sampling in float64 over the flat priorities."""
+    n = len(u)
+    target = (np.arange(n) + u) / n * p.sum()
+    cdf = np.cumsum(p)
+    return np.searchsorted(cdf, target, side="right")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_update_total_min_get(dtype):
+    t = tr.SegmentTree(100, dtype=dtype)
+    t.update(torch.tensor([3, 50, 99]), torch.tensor([1.5, 0.25, 4.0], dtype=dtype))
+    assert t.total().item() == pytest.approx(5.75)
+    assert t.min().item() == pytest.approx(0.25)
+    assert t[50].item() == pytest.approx(0.25)
+    assert torch.equal(t[torch.tensor([99, 3, 0])], torch.tensor([4.0, 1.5, 0.0], dtype=dtype))
+    t.update(torch.tensor([50]), torch.tensor([0.0], dtype=dtype))  # killing the minimum
+    assert t.min().item() == pytest.approx(1.5)
+
+
+def test_empty_tree_min_is_inf():
+    assert math.isinf(tr.SegmentTree(10).min().item())
+
+
+def test_duplicates_last_occurrence_wins():
+    t = tr.SegmentTree(16, dtype=torch.float64)
+    t.update(torch.tensor([5, 7, 5, 5, 7]), torch.tensor([1.0, 2.0, 3.0, 9.0, 0.5], dtype=torch.float64))
+    assert t[5].item() == 9.0
+    assert t[7].item() == 0.5
+    assert t.total().item() == 9.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+)
+def test_property_matches_numpy_reference(capacity, dtype, data):
+    """Random update/sample sequences agree with a float64 NumPy model."""
+    t = tr.SegmentTree(capacity, dtype=dtype)
+    ref = np.zeros(capacity, dtype=np.float64)
+    np_dtype = np.float32 if dtype == torch.float32 else np.float64
+    for _ in range(data.draw(st.integers(1, 6))):
+        n = data.draw(st.integers(1, 40))
+        idx = data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n))
+        pr = data.draw(
+            st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1e6)), min_size=n, max_size=n)
+        )
+        pr_cast = np.asarray(pr, dtype=np_dtype)
+        t.update(torch.tensor(idx), torch.from_numpy(pr_cast))
+        for i, v in zip(idx, pr_cast):
+            ref[i] = float(v)
+        assert t.total().item() == pytest.approx(math.fsum(ref), rel=1e-12, abs=0)
+        live = ref[ref > 0]
+        assert t.min().item() == (live.min() if live.size else math.inf)
+        np.testing.assert_array_equal(t.priorities.double().numpy(), ref)
+        if ref.sum() > 0:
+            batch = data.draw(st.integers(1, 64))
+            u = torch.rand(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(batch))
+            got, got_p = t.sample(u=u)
+            assert (ref[got.numpy()] > 0).all(), "a zero-priority leaf was sampled"
+            assert got.max().item() < capacity
+            np.testing.assert_array_equal(got_p.double().numpy(), ref[got.numpy()])
+            expect = reference_sample(ref, u.numpy())
+            # The tree sums in a different order than cumsum: allow disagreement only where the
+            # target sits within rounding of a prefix-sum boundary.
+            cdf = np.cumsum(ref)
+            target = (np.arange(batch) + u.numpy()) / batch * ref.sum()
+            edge = np.min(np.abs(cdf[:, None] - target[None, :]), axis=0) <= 1e-9 * ref.sum()
+            assert ((got.numpy() == expect) | edge).all()
+
+
+def test_zero_leaves_never_sampled_at_the_boundaries():
+    # Only a middle and the last leaf are live; u = 0 and the largest double below 1 hit the edges.
+    t = tr.SegmentTree(1000, dtype=torch.float32)
+    t.update(torch.tensor([500, 999]), torch.tensor([1e-30, 3e-30]))
+    u = torch.tensor([0.0, 0.5, np.nextafter(1.0, 0.0)], dtype=torch.float64)
+    for stratified in (True, False):
+        idx, _ = t.sample(u=u, stratified=stratified)
+        assert set(idx.tolist()) <= {500, 999}
+    idx, _ = t.sample(u=torch.tensor([np.nextafter(1.0, 0.0)], dtype=torch.float64), stratified=False)
+    assert idx.item() == 999
+
+
+def test_chi_square_frequencies_match_priorities():
+    """Sampled frequencies follow p_i / sum(p): chi-square at fixed seed, reject below p = 1e-3."""
+    capacity = 64
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.rand(capacity, generator=gen, dtype=torch.float64) ** 3  # skewed
+    p[::7] = 0.0  # dead leaves must get exactly zero draws
+    t = tr.SegmentTree(capacity, dtype=torch.float64)
+    t.update(torch.arange(capacity), p)
+    counts = torch.zeros(capacity, dtype=torch.float64)
+    for _ in range(50):
+        idx, _ = t.sample(4096, generator=gen)
+        counts += torch.bincount(idx, minlength=capacity).double()
+    assert counts[p == 0].sum().item() == 0
+    live = p > 0
+    expected = (p[live] / p[live].sum() * counts.sum()).numpy()
+    stat, pvalue = stats.chisquare(counts[live].numpy(), expected)
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.2e}"
+
+
+def test_stratified_samples_are_sorted_and_reproducible():
+    t = tr.SegmentTree(5000)
+    t.update(torch.arange(5000), torch.rand(5000, generator=torch.Generator().manual_seed(0)) + 0.01)
+    a, _ = t.sample(777, generator=torch.Generator().manual_seed(7))
+    b, _ = t.sample(777, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert bool((a[1:] >= a[:-1]).all())
+
+
+def test_root_does_not_drift_after_ten_million_updates():
+    """10M random updates (float32 leaves): the float64 root equals fsum of the leaves within 1e-9."""
+    capacity, batch = 1 << 16, 1 << 16
+    t = tr.SegmentTree(capacity, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(42)
+    done = 0
+    while done < 10_000_000:
+        idx = torch.randint(0, capacity, (batch,), generator=gen)
+        # Magnitudes spread over 12 decades, the regime where naive float32 delta-updates drift.
+        pr = torch.exp(torch.empty(batch).uniform_(-14.0, 14.0, generator=gen))
+        t.update(idx, pr)
+        done += batch
+    exact = math.fsum(t.priorities.double().tolist())
+    assert abs(t.total().item() - exact) <= 1e-9 * exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_dict_round_trip_and_validation(dtype):
+    t = tr.SegmentTree(300, dtype=dtype)
+    t.update(torch.arange(0, 300, 3), torch.rand(100, dtype=dtype) + 0.1)
+    state = t.state_dict()
+    u = torch.rand(64, dtype=torch.float64)
+    fresh = tr.SegmentTree(300, dtype=dtype)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.sample(u=u)[0], t.sample(u=u)[0])
+    assert fresh.total().item() == t.total().item()
+    assert fresh.min().item() == t.min().item()
+    bad = dict(state, priorities=state["priorities"].clone())
+    bad["priorities"][5] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        fresh.load_state_dict(bad)
+    with pytest.raises(ValueError, match="capacity"):
+        fresh.load_state_dict(dict(state, capacity=301))
+    assert fresh.total().item() == t.total().item(), "a rejected load changed the tree"
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda t: t.update(torch.tensor([1.0]), torch.tensor([1.0])), TypeError, "indices"),
+        (lambda t: t.update(torch.tensor([[1]]), torch.tensor([1.0])), ValueError, "indices must be 1-D"),
+        (lambda t: t.update(torch.tensor([10]), torch.tensor([1.0])), IndexError, "outside"),
+        (lambda t: t.update(torch.tensor([-1]), torch.tensor([1.0])), IndexError, "outside"),
+        (lambda t: t.update(torch.tensor([1]), torch.tensor([-1.0])), ValueError, "priorities"),
+        (lambda t: t.update(torch.tensor([1]), torch.tensor([float("nan")])), ValueError, "priorities"),
+        (lambda t: t.update(torch.tensor([1]), torch.tensor([float("inf")])), ValueError, "priorities"),
+        (lambda t: t.update(torch.tensor([1]), torch.tensor([1])), TypeError, "priorities"),
+        (lambda t: t.update(torch.tensor([1, 2]), torch.tensor([1.0, 2.0, 3.0])), ValueError, "shape"),
+        (lambda t: t.update(torch.tensor([1]), torch.tensor([1.0], device="meta")), ValueError, "device"),
+        (lambda t: t.sample(u=torch.tensor([1.0], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
+        (lambda t: t.sample(u=torch.tensor([-0.1], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
+        (lambda t: t.sample(u=torch.tensor([0.1, float("nan")], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
+        (lambda t: t.sample(u=torch.tensor([1])), TypeError, "u must be a floating"),
+        (lambda t: t.sample(-3), ValueError, "batch_size"),
+        (lambda t: t.sample(), ValueError, "batch_size or u"),
+        (lambda t: t[11], IndexError, "outside"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call, error, match):
+    t = tr.SegmentTree(10)
+    t.update(torch.tensor([2, 3]), torch.tensor([1.0, 2.0]))
+    before = t.state_dict()["priorities"].clone()
+    with pytest.raises(error, match=match):
+        call(t)
+    assert torch.equal(t.state_dict()["priorities"], before)
+    assert t.total().item() == 3.0
+
+
+def test_sampling_an_empty_tree_is_an_error():
+    with pytest.raises(ValueError, match="empty"):
+        tr.SegmentTree(10).sample(4)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="capacity"):
+        tr.SegmentTree(0)
+    with pytest.raises(TypeError, match="capacity"):
+        tr.SegmentTree(3.5)
+    with pytest.raises(TypeError, match="dtype"):
+        tr.SegmentTree(4, dtype=torch.int32)
+
+
+def test_raw_ops_reject_bad_input_without_crashing():
+    """The ops themselves check, so a caller bypassing the Python class gets an error, not a segfault."""
+    t = tr.SegmentTree(10)
+    with pytest.raises(IndexError):
+        ops.tree_update(t._leaves, t._sums, t._mins, torch.tensor([10**12]), torch.tensor([1.0]), 10)
+    with pytest.raises(ValueError):
+        ops.tree_update(t._leaves, t._sums, t._mins, torch.tensor([1]), torch.tensor([-1.0]), 10)
+    with pytest.raises(RuntimeError, match="leaves"):
+        ops.tree_update(t._leaves[:3], t._sums, t._mins, torch.tensor([1]), torch.tensor([1.0]), 10)
+    with pytest.raises(ValueError, match="empty"):
+        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5], dtype=torch.float64), 10, True)
+    with pytest.raises(RuntimeError, match="float64"):
+        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5]), 10, True)
+    with pytest.raises(IndexError):
+        ops.tree_get(t._leaves, torch.tensor([-5]), 10)
+    assert t.total().item() == 0.0
+
+
+def _sample_args(dtype):
+    t = tr.SegmentTree(200, dtype=dtype)
+    t.update(torch.arange(0, 200, 2), torch.rand(100, dtype=dtype) + 0.5)
+    return t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_every_op(dtype):
+    t = _sample_args(dtype)
+    u = torch.rand(32, dtype=torch.float64)
+    idx = torch.tensor([4, 8, 4, 199])
+    pr = torch.rand(4, dtype=dtype)
+    cases = [
+        (ops.tree_update.default, (t._leaves.clone(), t._sums.clone(), t._mins.clone(), idx, pr, 200)),
+        (ops.tree_sample.default, (t._leaves, t._sums, u, 200, True)),
+        (ops.tree_total.default, (t._sums,)),
+        (ops.tree_min.default, (t._mins,)),
+        (ops.tree_get.default, (t._leaves, idx, 200)),
+        (ops.tree_rebuild.default, (t._leaves.clone(), t._sums.clone(), t._mins.clone(), 200)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_to_device_round_trip_on_cpu():
+    t = _sample_args(torch.float32)
+    assert t.to("cpu") is t
+    assert t.device.type == "cpu"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu_on_identical_inputs(dtype):
+    gen = torch.Generator().manual_seed(3)
+    capacity = 100_003
+    cpu = tr.SegmentTree(capacity, dtype=dtype)
+    gpu = tr.SegmentTree(capacity, dtype=dtype, device="cuda")
+    for _ in range(5):
+        idx = torch.randint(0, capacity, (20_000,), generator=gen)
+        pr = torch.rand(20_000, generator=gen, dtype=dtype)
+        pr[::5] = 0
+        cpu.update(idx, pr)
+        gpu.update(idx.cuda(), pr.cuda())
+        assert torch.equal(cpu.priorities, gpu.priorities.cpu()), "last-occurrence-wins differs"
+        assert torch.equal(cpu._sums, gpu._sums.cpu()), "sums differ bitwise"
+        assert cpu.min().item() == gpu.min().item()
+        u = torch.rand(65_536, dtype=torch.float64, generator=gen)
+        for stratified in (True, False):
+            ci, cp = cpu.sample(u=u, stratified=stratified)
+            gi, gp = gpu.sample(u=u.cuda(), stratified=stratified)
+            assert torch.equal(ci, gi.cpu())
+            assert torch.equal(cp, gp.cpu())
+    state = gpu.state_dict()
+    moved = tr.SegmentTree(capacity, dtype=dtype).to("cuda")
+    moved.load_state_dict(state)
+    assert torch.equal(moved._sums.cpu(), gpu._sums.cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_opcheck_and_no_sync():
+    t = _sample_args(torch.float32).to("cuda")
+    t.validate = False
+    u = torch.rand(32, dtype=torch.float64, device="cuda")
+    torch.library.opcheck(ops.tree_sample.default, (t._leaves, t._sums, u, 200, True))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        idx, _ = t.sample(u=u)
+        t.update(idx, torch.rand(32, device="cuda"))
+        t.total(), t.min(), t[idx]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
