@@ -1,0 +1,483 @@
+"""RolloutBuffer: storage, sampling, samplers, staleness/reuse, atomicity, round trip."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+import torchreplay as tr
+from rollouts import make_batch
+
+P_MIN = 1e-3  # chi-square tests reject below this p-value; seeds are fixed, so results are too
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    probs, counts = probs.double(), counts.double()
+    expected = (probs / probs.sum() * counts.sum()).numpy()
+    return stats.chisquare(counts.double().numpy(), expected).pvalue
+
+
+def draw_counts(buf: tr.RolloutBuffer, calls: int, batch: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(buf.capacity)
+    for _ in range(calls):
+        b = buf.sample(batch, generator=gen)
+        counts += torch.bincount(b.handles.slot, minlength=buf.capacity).float()
+    return counts
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b) or
+                                                                   (a.is_floating_point() and torch.allclose(a, b, equal_nan=True)))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+# ------------------------------------------------------------------------------------ storage
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sample_returns_the_stored_rollouts_padded(side):
+    buf = tr.RolloutBuffer(32, sampler=tr.UniformSampler(), padding_side=side, pad_token_id=-1)
+    batch = make_batch(10, seed=1)
+    handles = buf.add(batch)
+    assert handles.slot.tolist() == list(range(10)) and handles.generation.tolist() == [1] * 10
+    out = buf.sample(64, generator=torch.Generator().manual_seed(0))
+    width = out.tokens.shape[1]
+    assert width == int(out.attention_mask.sum(1).max())
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        length = batch["tokens"][slot].numel()
+        cols = slice(0, length) if side == "right" else slice(width - length, width)
+        assert torch.equal(out.tokens[k, cols], batch["tokens"][slot])
+        assert torch.equal(out.logprobs[k, cols], batch["logprobs"][slot])
+        assert torch.equal(out.response_mask[k, cols], batch["response_mask"][slot])
+        assert int(out.attention_mask[k].sum()) == length
+        assert bool((out.tokens[k][~out.attention_mask[k]] == -1).all())
+        assert out.advantage[k] == batch["advantage"][slot]
+        assert out.group_id[k] == batch["group_id"][slot]
+
+
+def test_ragged_input_formats_store_the_same_data():
+    batch = make_batch(6, seed=2)
+    as_offsets = dict(batch)
+    for name in ("tokens", "response_mask", "logprobs"):
+        parts = batch[name]
+        offsets = torch.tensor([0] + np.cumsum([p.numel() for p in parts]).tolist())
+        as_offsets[name] = {"values": torch.cat(parts), "offsets": offsets}
+    as_nested = dict(batch)
+    for name in ("tokens", "logprobs"):
+        as_nested[name] = torch.nested.nested_tensor(batch[name], layout=torch.jagged)
+    results = []
+    for variant in (batch, as_offsets, as_nested):
+        buf = tr.RolloutBuffer(8, sampler=tr.UniformSampler())
+        buf.add(variant)
+        results.append(buf.sample(6, generator=torch.Generator().manual_seed(5)))
+    for other in results[1:]:
+        for name in ("tokens", "logprobs", "response_mask", "attention_mask"):
+            assert torch.equal(results[0].data[name], other.data[name])
+
+
+def test_tensordict_input_when_installed():
+    tensordict = pytest.importorskip("tensordict")
+    batch = make_batch(4, seed=3)
+    td = tensordict.TensorDict(
+        {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        | {k: torch.nested.nested_tensor(batch[k], layout=torch.jagged) for k in ("tokens", "logprobs", "response_mask")}
+        | {"policy_version": torch.zeros(4, dtype=torch.int64)},
+        batch_size=[4],
+    )
+    buf = tr.RolloutBuffer(8)
+    assert len(buf.add(td)) == 4
+
+
+def test_moe_routing_ids_use_the_narrowest_dtype():
+    for experts, dtype in ((8, torch.uint8), (256, torch.uint8), (257, torch.int16), (40000, torch.int32)):
+        buf = tr.RolloutBuffer(4, routing=(experts, 2, 2))
+        assert buf.fields["routing"].dtype == dtype
+    buf = tr.RolloutBuffer(4, routing=(64, 3, 2))
+    batch = make_batch(2, seed=4)
+    batch["routing"] = [torch.randint(0, 64, (t.numel(), 3, 2)) for t in batch["tokens"]]
+    buf.add(batch)
+    out = buf.sample(4, generator=torch.Generator().manual_seed(0))
+    assert out.routing.dtype == torch.uint8 and out.routing.shape[2:] == (3, 2)
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        n = batch["tokens"][slot].numel()
+        assert torch.equal(out.routing[k, :n].long(), batch["routing"][slot])
+    bad = make_batch(1, seed=5)
+    bad["routing"] = [torch.full((bad["tokens"][0].numel(), 3, 2), 300)]
+    with pytest.raises(tr.SchemaError, match="routing"):
+        buf.add(bad)
+
+
+def test_extra_and_reference_fields():
+    buf = tr.RolloutBuffer(8, ref_logprobs=True, extra_fields={
+        "values": tr.FieldSpec("values", "token", torch.float32),
+        "difficulty": tr.FieldSpec("difficulty", "rollout", torch.float32),
+    })
+    batch = make_batch(3, seed=6)
+    batch["ref_logprobs"] = [x - 0.5 for x in batch["logprobs"]]
+    batch["values"] = [torch.rand(t.numel()) for t in batch["tokens"]]
+    batch["difficulty"] = torch.tensor([0.1, 0.2, 0.3])
+    buf.add(batch)
+    out = buf.sample(8, generator=torch.Generator().manual_seed(0))
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        n = batch["tokens"][slot].numel()
+        assert torch.equal(out.ref_logprobs[k, :n], batch["ref_logprobs"][slot])
+        assert torch.equal(out.values[k, :n], batch["values"][slot])
+        assert out.difficulty[k] == batch["difficulty"][slot]
+
+
+# ------------------------------------------------------------------------------ bad input
+BAD_BATCHES = [
+    ("length mismatch", lambda b: b.__setitem__("logprobs", [x[:-1] for x in b["logprobs"]]), "logprobs"),
+    ("tokens dtype", lambda b: b.__setitem__("tokens", [x.float() for x in b["tokens"]]), "tokens"),
+    ("NaN advantage", lambda b: b["advantage"].__setitem__(2, float("nan")), "advantage.*rollout 2"),
+    ("inf reward", lambda b: b["reward"].__setitem__(1, float("inf")), "reward.*rollout 1"),
+    ("negative version", lambda b: b.__setitem__("policy_version", torch.tensor([0, 0, -1, 0, 0, 0])),
+     "policy_version.*rollout 2"),
+    ("missing field", lambda b: b.pop("group_id"), "group_id"),
+    ("unknown field", lambda b: b.__setitem__("surprise", torch.zeros(6)), "surprise"),
+    ("prompt too long", lambda b: b["prompt_len"].__setitem__(3, 100), "prompt_len.*rollout 3"),
+    ("count mismatch", lambda b: b.__setitem__("reward", torch.zeros(5)), "reward"),
+    ("NaN logprob", lambda b: b["logprobs"][4].__setitem__(0, float("nan")), "logprobs.*rollout 4"),
+    ("mask dtype", lambda b: b.__setitem__("response_mask", [m.int() for m in b["response_mask"]]), "response_mask"),
+    ("not a tensor", lambda b: b.__setitem__("tokens", [[1, 2, 3]] * 6), "tokens.*rollout 0"),
+    ("empty rollout", lambda b: [b[k].__setitem__(0, b[k][0][:0]) for k in ("tokens", "logprobs", "response_mask")],
+     "rollout 0"),
+]
+
+
+@pytest.mark.parametrize("label, corrupt, match", BAD_BATCHES, ids=[b[0] for b in BAD_BATCHES])
+def test_invalid_batch_raises_schema_error_and_changes_nothing(label, corrupt, match):
+    buf = tr.RolloutBuffer(16, max_reuse=5)
+    buf.add(make_batch(6, seed=7))
+    before = buf.state_dict()
+    batch = make_batch(6, seed=8)
+    corrupt(batch)
+    with pytest.raises(tr.SchemaError, match=match):
+        buf.add(batch)
+    with pytest.raises(tr.SchemaError, match=match):
+        buf.compose(batch, replay_ratio=0.5)
+    assert isinstance(tr.SchemaError("x"), ValueError)
+    assert state_equal(buf.state_dict(), before)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_fuzz_malformed_batches_never_crash_or_change_state(data):
+    buf = tr.RolloutBuffer(16, max_staleness=3)
+    buf.add(make_batch(5, seed=9))
+    before = buf.state_dict()
+    batch = make_batch(data.draw(st.integers(1, 6)), seed=data.draw(st.integers(0, 100)))
+    key = data.draw(st.sampled_from(sorted(batch)))
+    mutation = data.draw(st.sampled_from(["drop", "scalar", "float", "nan", "truncate", "wrong_len", "string", "neg"]))
+    value = batch[key]
+    if mutation == "drop":
+        del batch[key]
+    elif mutation == "scalar":
+        batch[key] = torch.tensor(1.5)
+    elif mutation == "float":
+        batch[key] = [v.double() for v in value] if isinstance(value, list) else torch.as_tensor(value).double() + 0.5
+    elif mutation == "nan":
+        batch[key] = [v.float() * float("nan") for v in value] if isinstance(value, list) else \
+            torch.full_like(torch.as_tensor(value).float(), float("nan"))
+    elif mutation == "truncate":
+        batch[key] = value[:-1] if isinstance(value, list) and len(value) > 1 else []
+    elif mutation == "wrong_len":
+        batch[key] = [v[:0] for v in value] if isinstance(value, list) else torch.as_tensor(value).reshape(-1)[:0]
+    elif mutation == "string":
+        batch[key] = "oops"
+    elif mutation == "neg":
+        batch[key] = [-v.long() - 1 for v in value] if isinstance(value, list) else -torch.as_tensor(value).long() - 10
+    try:
+        buf.add(batch)
+    except (tr.SchemaError, ValueError, TypeError):
+        assert state_equal(buf.state_dict(), before)
+
+
+# ------------------------------------------------------------------------------ samplers
+def filled(sampler, n=40, seed=11, capacity=48, **kw) -> tuple[tr.RolloutBuffer, dict]:
+    buf = tr.RolloutBuffer(capacity, sampler=sampler, **kw)
+    batch = make_batch(n, seed=seed)
+    buf.add(batch)
+    return buf, batch
+
+
+def test_uniform_sampler_is_uniform_over_live():
+    buf, _ = filled(tr.UniformSampler())
+    counts = draw_counts(buf, 100, 256, seed=1)
+    assert counts[40:].sum() == 0
+    assert chi_square_p(counts[:40], torch.ones(40)) > P_MIN
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0])
+def test_prioritized_sampler_frequencies_and_weights(alpha):
+    sampler = tr.PrioritizedSampler(alpha=alpha, beta=0.5, eps=0.01)
+    buf, batch = filled(sampler)
+    p = (batch["advantage"].double().abs() + 0.01) ** alpha
+    counts = draw_counts(buf, 100, 256, seed=2)
+    assert chi_square_p(counts[:40], p) > P_MIN
+    out = buf.sample(64, generator=torch.Generator().manual_seed(3))
+    expected = (p[out.handles.slot] / p.min()) ** -0.5  # (N P_i)^-b / max_j (N P_j)^-b
+    torch.testing.assert_close(out.weights.double(), expected, rtol=1e-5, atol=0)
+    assert out.weights.max() <= 1.0
+
+
+def test_freshness_sampler_decays_with_age_and_survives_rebase():
+    """p ~ (|A| + eps) * exp(-age / tau), before and across a rebase of the reference version."""
+    tau = 2.0
+    sampler = tr.FreshnessSampler(alpha=1.0, beta=0.0, eps=0.01, tau=tau)
+    buf = tr.RolloutBuffer(64, sampler=sampler)
+    adv = torch.linspace(0.5, 2.0, 8)
+    versions = []
+    for v in (58, 60, 62):
+        buf.add(make_batch(8, version=v, seed=v, advantage=adv))
+        versions += [v] * 8
+    buf.advance(63)
+    assert sampler.rebases == 0
+
+    def expected(now):
+        base = (adv.double().abs() + 0.01).repeat(len(versions) // 8)
+        return base * torch.exp(-(now - torch.tensor(versions)).double() / tau)
+
+    n = len(versions)
+    assert chi_square_p(draw_counts(buf, 60, 256, seed=1)[:n], expected(63)) > P_MIN
+    buf.advance(65)  # 65 - 0 > rebase_after * tau = 64: the reference moves, live leaves are rewritten
+    assert sampler.rebases == 1 and sampler.t_ref == 65
+    buf.add(make_batch(8, version=65, seed=65, advantage=adv))
+    versions += [65] * 8
+    n = len(versions)
+    assert chi_square_p(draw_counts(buf, 60, 256, seed=2)[:n], expected(65)) > P_MIN
+
+
+def test_pnewest_sampler_takes_the_newest_then_uniform():
+    buf = tr.RolloutBuffer(64, sampler=tr.PNewestSampler(p=0.25))
+    buf.add(make_batch(24, seed=14))
+    newest = buf.add(make_batch(8, seed=15, version=1))
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.zeros(64)
+    for _ in range(200):
+        out = buf.sample(32, generator=gen)
+        head = out.handles.slot[:8]
+        assert sorted(head.tolist()) == sorted(newest.slot.tolist())
+        counts += torch.bincount(out.handles.slot[8:], minlength=64).float()
+    assert counts[24:].sum() == 0, "the uniform part must exclude the newest"
+    assert chi_square_p(counts[:24], torch.ones(24)) > P_MIN
+
+
+def test_group_sampler_picks_groups_then_members():
+    buf = tr.RolloutBuffer(64, sampler=tr.GroupSampler(per_group=2))
+    batch = make_batch(40, seed=16)  # 10 groups of 4
+    buf.add(batch)
+    gen = torch.Generator().manual_seed(5)
+    group_counts = torch.zeros(10)
+    member_counts = torch.zeros(40)
+    for _ in range(400):
+        out = buf.sample(8, generator=gen)
+        groups = out.group_id.view(4, 2)
+        assert bool((groups[:, 0] == groups[:, 1]).all()), "pairs come from one group"
+        assert bool((out.handles.slot.view(4, 2)[:, 0] != out.handles.slot.view(4, 2)[:, 1]).all())
+        group_counts += torch.bincount(groups[:, 0], minlength=10).float()
+        member_counts += torch.bincount(out.handles.slot, minlength=40).float()
+    assert chi_square_p(group_counts, torch.ones(10)) > P_MIN
+    assert chi_square_p(member_counts, torch.ones(40)) > P_MIN
+
+
+def test_custom_sampler_plugs_in():
+    class NewestOnly(tr.TreeSampler):
+        """Only rollouts at the buffer's current version."""
+
+        def priority(self, slots):
+            return (self.slots.policy_version[slots] == self.slots.current_version).double()
+
+    buf = tr.RolloutBuffer(32, sampler=NewestOnly())
+    buf.add(make_batch(8, version=0, seed=17))
+    latest = buf.add(make_batch(8, version=0, seed=18))
+    out = buf.sample(16, generator=torch.Generator().manual_seed(0))
+    assert set(out.handles.slot.tolist()) <= set(range(16))
+    assert isinstance(buf.sampler, tr.Sampler) and len(latest) == 8
+
+
+# ---------------------------------------------------------------------- staleness and reuse
+def test_staleness_eviction_is_exact_and_evicted_never_sampled():
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=2)
+    for v in range(4):
+        buf.add(make_batch(8, version=v, seed=20 + v))
+    assert buf.advance(4) == 16  # versions 0 and 1 are older than 4 - 2
+    assert len(buf) == 16
+    out = buf.sample(500, generator=torch.Generator().manual_seed(0))
+    assert bool((out.policy_version >= 2).all())
+    assert bool((out.age <= 2).all())
+    assert buf.metrics()["evicted_staleness"] == 16
+    with pytest.raises(tr.SchemaError, match="staleness"):
+        buf.add(make_batch(2, version=1, seed=30))
+    with pytest.raises(ValueError, match="backwards"):
+        buf.advance(3)
+
+
+def test_reuse_cap_evicts_after_k_uses():
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), max_reuse=3)
+    handles = buf.add(make_batch(1, seed=31))
+    gen = torch.Generator().manual_seed(0)
+    for expected_reuse in range(3):
+        out = buf.sample(1, generator=gen)
+        assert out.reuse.item() == expected_reuse
+    assert len(buf) == 0 and buf.metrics()["evicted_reuse"] == 1
+    with pytest.raises(ValueError, match="empty"):
+        buf.sample(1)
+    assert buf.update_priorities(handles, torch.tensor([1.0])) == 0
+
+
+def test_reuse_counts_duplicates_within_a_batch():
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), max_reuse=4)
+    buf.add(make_batch(1, seed=32))
+    buf.sample(3, generator=torch.Generator().manual_seed(0))
+    assert buf.metrics()["reuse_hist_2_3"] == 1
+    buf.sample(1, generator=torch.Generator().manual_seed(0))
+    assert len(buf) == 0
+
+
+def test_capacity_overflow_evicts_oldest_or_raises():
+    buf = tr.RolloutBuffer(10, sampler=tr.UniformSampler())
+    first = buf.add(make_batch(6, seed=33))
+    second = buf.add(make_batch(6, seed=34))
+    assert len(buf) == 10 and buf.metrics()["evicted_capacity"] == 2
+    live_first = buf._table.live[first.slot] & (buf._table.generation[first.slot] == first.generation)
+    assert live_first.tolist() == [False, False, True, True, True, True]
+    assert set(second.slot.tolist()) == {0, 1, 6, 7, 8, 9}
+    strict = tr.RolloutBuffer(10, overflow="raise")
+    strict.add(make_batch(6, seed=35))
+    before = strict.state_dict()
+    with pytest.raises(tr.SchemaError, match="full"):
+        strict.add(make_batch(6, seed=36))
+    assert state_equal(strict.state_dict(), before)
+
+
+def test_stale_handles_are_ignored_and_counted():
+    buf = tr.RolloutBuffer(4, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.0, eps=1e-6))
+    old = buf.add(make_batch(4, seed=37, advantage=torch.ones(4)))
+    buf.add(make_batch(2, seed=38, advantage=torch.ones(2)))  # evicts and reuses slots 0, 1
+    applied = buf.update_priorities(old, torch.tensor([100.0, 100.0, 5.0, 5.0]))
+    assert applied == 2
+    assert buf.metrics()["stale_handle_updates"] == 2
+    assert buf._table.advantage.tolist() == [1.0, 1.0, 5.0, 5.0]
+    counts = draw_counts(buf, 50, 200, seed=6)
+    assert chi_square_p(counts, torch.tensor([1.0, 1.0, 5.0, 5.0])) > P_MIN
+
+
+def test_update_priorities_validation():
+    buf = tr.RolloutBuffer(4)
+    h = buf.add(make_batch(2, seed=39))
+    with pytest.raises(ValueError, match="finite"):
+        buf.update_priorities(h, torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="2 handles"):
+        buf.update_priorities(h, torch.tensor([1.0]))
+    with pytest.raises(TypeError):
+        buf.update_priorities((0, 1), torch.tensor([1.0]))
+
+
+# ------------------------------------------------------------------------ composition
+def test_compose_is_fresh_anchored_at_the_replay_ratio():
+    buf = tr.RolloutBuffer(128, sampler=tr.UniformSampler(), max_reuse=2)
+    first = buf.compose(make_batch(16, seed=40), replay_ratio=0.5)
+    assert len(first) == 16 and bool(first.is_fresh.all())  # nothing to replay yet
+    fresh = make_batch(16, seed=41, version=1)
+    out = buf.compose(fresh, replay_ratio=0.5, generator=torch.Generator().manual_seed(0))
+    assert len(out) == 32 and int(out.is_fresh.sum()) == 16
+    fresh_slots = set(out.handles.slot[out.is_fresh].tolist())
+    assert not fresh_slots & set(out.handles.slot[~out.is_fresh].tolist()), "replayed must not be the fresh ones"
+    for k in range(16):
+        n = fresh["tokens"][k].numel()
+        assert torch.equal(out.tokens[k, :n], fresh["tokens"][k])
+    assert bool((out.weights[out.is_fresh] == 1).all())
+    assert len(buf) <= 32 and buf.metrics()["sampled_fresh"] == 32
+    quarter = buf.compose(make_batch(12, seed=42, version=2), replay_ratio=0.25)
+    assert len(quarter) == 16
+
+
+# ------------------------------------------------------------------------------ round trip
+@pytest.mark.parametrize("make_sampler", [
+    lambda: tr.PrioritizedSampler(alpha=0.7, beta=0.4),
+    lambda: tr.UniformSampler(),
+    lambda: tr.FreshnessSampler(tau=3.0),
+    lambda: tr.PNewestSampler(p=0.3),
+    lambda: tr.GroupSampler(per_group=3),
+])
+def test_state_dict_round_trip_gives_the_same_samples(make_sampler):
+    def build():
+        return tr.RolloutBuffer(40, sampler=make_sampler(), max_staleness=3, max_reuse=4)
+
+    buf = build()
+    gen = torch.Generator().manual_seed(0)
+    for v in range(5):
+        buf.compose(make_batch(10, version=v, seed=50 + v), replay_ratio=0.4, generator=gen)
+        buf.advance(v + 1)
+    state = buf.state_dict()
+    twin = build()
+    twin.load_state_dict(state)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for step in range(4):
+        a = buf.compose(make_batch(6, version=5 + step, seed=60 + step), replay_ratio=0.5, generator=g1)
+        b = twin.compose(make_batch(6, version=5 + step, seed=60 + step), replay_ratio=0.5, generator=g2)
+        assert torch.equal(a.handles.slot, b.handles.slot)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.weights, b.weights)
+        buf.advance(6 + step)
+        twin.advance(6 + step)
+    assert buf.metrics() == pytest.approx(twin.metrics(), nan_ok=True)
+
+
+def test_load_state_dict_rejects_mismatched_config():
+    buf = tr.RolloutBuffer(8, max_reuse=2)
+    buf.add(make_batch(3, seed=70))
+    other = tr.RolloutBuffer(9, max_reuse=2)
+    with pytest.raises(ValueError, match="config"):
+        other.load_state_dict(buf.state_dict())
+    assert len(other) == 0
+
+
+def test_metrics_report_everything():
+    buf = tr.RolloutBuffer(32, max_staleness=1, max_reuse=2)
+    buf.add(make_batch(8, seed=71))
+    buf.sample(4, generator=torch.Generator().manual_seed(0))
+    m = buf.metrics()
+    for key in ("size", "bytes", "capacity", "age_hist_0", "reuse_hist_1", "ess_fraction", "evicted_staleness",
+                "evicted_reuse", "evicted_capacity", "stale_handle_updates", "sampled_fresh", "sampled_replay"):
+        assert key in m
+    assert m["size"] == 8 and m["bytes"] > 0 and 0 < m["ess_fraction"] <= 1
+    assert all(isinstance(v, (int, float)) for v in m.values())
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="capacity"):
+        tr.RolloutBuffer(0)
+    with pytest.raises(ValueError, match="overflow"):
+        tr.RolloutBuffer(4, overflow="drop")
+    with pytest.raises(ValueError, match="max_reuse"):
+        tr.RolloutBuffer(4, max_reuse=0)
+    with pytest.raises(TypeError, match="sampler"):
+        tr.RolloutBuffer(4, sampler=object())
+    with pytest.raises(ValueError, match="alpha"):
+        tr.PrioritizedSampler(alpha=-1)
+
+
+@pytest.mark.cuda
+def test_buffer_on_cuda_samples_like_cpu():
+    def build():
+        buf = tr.RolloutBuffer(64, sampler=tr.PrioritizedSampler(alpha=0.8, beta=0.3))
+        buf.add(make_batch(40, seed=80))
+        return buf
+
+    cpu, gpu = build(), build().to("cuda")
+    a = cpu.sample(32, generator=torch.Generator().manual_seed(1))
+    b = gpu.sample(32, device="cuda", generator=torch.Generator().manual_seed(1))
+    assert b.tokens.device.type == "cuda"
+    assert torch.equal(a.handles.slot, b.handles.slot)
+    torch.testing.assert_close(a.weights, b.weights.cpu())

@@ -1,0 +1,26 @@
+"""Samplers: which slots a batch draws, and with what importance weights.
+
+A sampler knows nothing of bytes. The buffer tells it which slots became live, died or changed
+advantage, and asks it for `n` slots. See `Sampler` for the protocol and docs/api.md for how to
+write your own.
+"""
+
+from torchreplay.samplers.base import Sampler, SlotView, TreeSampler
+from torchreplay.samplers.builtin import (
+    FreshnessSampler,
+    GroupSampler,
+    PNewestSampler,
+    PrioritizedSampler,
+    UniformSampler,
+)
+
+__all__ = [
+    "Sampler",
+    "SlotView",
+    "TreeSampler",
+    "UniformSampler",
+    "PrioritizedSampler",
+    "FreshnessSampler",
+    "PNewestSampler",
+    "GroupSampler",
+]

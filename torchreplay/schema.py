@@ -1,0 +1,296 @@
+"""Rollout schema: field specs, ragged packing and validation.
+
+A rollout is prompt + response tokens with per-token fields of the same length, plus per-rollout
+scalars. Ragged fields are normalized to packed `(values, offsets)` so storage and sampling never
+loop over rollouts in Python. Validation runs on the whole batch before the buffer changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from torchreplay.errors import SchemaError
+
+TOKEN = "token"
+ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field. `kind` is "token" (one row per token, ragged) or "rollout" (one row per rollout).
+
+    `dtype` is the stored dtype; `shape` is the trailing shape of one row (() for scalars), e.g.
+    (layers, top_k) for MoE routing ids. `kinds_ok` lists the dtype kinds accepted on input.
+    """
+
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...] = ()
+    required: bool = True
+    accept: str = "float"  # "float", "int" or "bool": what input dtypes are accepted
+
+
+def narrowest_int_dtype(max_value: int) -> torch.dtype:
+    """Smallest integer dtype holding [0, max_value]: routing ids for 256 experts fit in uint8."""
+    if max_value <= 255:
+        return torch.uint8
+    if max_value <= 32767:
+        return torch.int16
+    if max_value <= 2**31 - 1:
+        return torch.int32
+    return torch.int64
+
+
+def default_fields(
+    ref_logprobs: bool = False,
+    routing: tuple[int, int, int] | None = None,
+    extra: Mapping[str, FieldSpec] | None = None,
+) -> dict[str, FieldSpec]:
+    """The rollout schema. `routing=(num_experts, layers, top_k)` adds MoE routing ids per token."""
+    fields = {
+        "tokens": FieldSpec("tokens", TOKEN, torch.int64, accept="int"),
+        "response_mask": FieldSpec("response_mask", TOKEN, torch.bool, accept="bool"),
+        "logprobs": FieldSpec("logprobs", TOKEN, torch.float32),
+        "prompt_len": FieldSpec("prompt_len", ROLLOUT, torch.int64, accept="int"),
+        "reward": FieldSpec("reward", ROLLOUT, torch.float32),
+        "advantage": FieldSpec("advantage", ROLLOUT, torch.float32),
+        "group_id": FieldSpec("group_id", ROLLOUT, torch.int64, accept="int"),
+        "policy_version": FieldSpec("policy_version", ROLLOUT, torch.int64, accept="int"),
+    }
+    if ref_logprobs:
+        fields["ref_logprobs"] = FieldSpec("ref_logprobs", TOKEN, torch.float32)
+    if routing is not None:
+        num_experts, layers, top_k = routing
+        if min(num_experts, layers, top_k) < 1:
+            raise ValueError(f"routing must be (num_experts, layers, top_k) >= 1, got {routing}")
+        fields["routing"] = FieldSpec(
+            "routing", TOKEN, narrowest_int_dtype(num_experts - 1), (layers, top_k), accept="int"
+        )
+    for name, spec in (extra or {}).items():
+        if name in fields:
+            raise ValueError(f"extra field {name!r} collides with a built-in field")
+        if spec.kind not in (TOKEN, ROLLOUT):
+            raise ValueError(f"extra field {name!r}: kind must be 'token' or 'rollout', got {spec.kind!r}")
+        fields[name] = spec
+    return fields
+
+
+@dataclass
+class PackedBatch:
+    """A validated batch: token fields packed as values with shared offsets, rollout fields [n]."""
+
+    n: int
+    offsets: torch.Tensor  # [n + 1] int64, into every token field's values
+    token: dict[str, torch.Tensor] = field(default_factory=dict)
+    rollout: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def nbytes(self) -> int:
+        total = self.offsets.numel() * 8
+        for t in (*self.token.values(), *self.rollout.values()):
+            total += t.numel() * t.element_size()
+        return total
+
+
+def _dtype_ok(spec: FieldSpec, dtype: torch.dtype) -> bool:
+    if spec.accept == "float":
+        return dtype.is_floating_point
+    if spec.accept == "bool":
+        return dtype == torch.bool
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _ragged(name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize a ragged field to (values, offsets)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        parts = list(value.unbind())
+        return _ragged(name, parts)
+    if isinstance(value, Mapping):
+        if set(value) != {"values", "offsets"}:
+            raise SchemaError(f"field {name!r}: a packed ragged field needs exactly 'values' and 'offsets'")
+        values, offsets = value["values"], value["offsets"]
+        if not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+            raise SchemaError(f"field {name!r}: 'values' and 'offsets' must be tensors")
+        if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+            raise SchemaError(f"field {name!r}: offsets must be a 1-D integer tensor of n + 1 entries")
+        offsets = offsets.to(torch.int64)
+        if values.dim() == 0 or int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
+            raise SchemaError(f"field {name!r}: offsets must start at 0 and end at len(values)")
+        if bool((offsets[1:] < offsets[:-1]).any()):
+            bad = int((offsets[1:] < offsets[:-1]).nonzero()[0, 0])
+            raise SchemaError(f"field {name!r}, rollout {bad}: offsets decrease")
+        return values, offsets
+    if isinstance(value, (list, tuple)):
+        parts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, torch.Tensor):
+                raise SchemaError(f"field {name!r}, rollout {i}: expected a tensor, got {type(part).__name__}")
+            if part.dim() < 1:
+                raise SchemaError(f"field {name!r}, rollout {i}: expected at least 1-D, got a scalar")
+            parts.append(part)
+        if not parts:
+            return torch.empty(0), torch.zeros(1, dtype=torch.int64)
+        trailing = {tuple(p.shape[1:]) for p in parts}
+        dtypes = {p.dtype for p in parts}
+        if len(trailing) > 1:
+            raise SchemaError(f"field {name!r}: rollouts disagree on trailing shape: {sorted(trailing)}")
+        if len(dtypes) > 1:
+            raise SchemaError(f"field {name!r}: rollouts disagree on dtype: {sorted(map(str, dtypes))}")
+        lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return torch.cat([p.detach().cpu() for p in parts]), offsets
+    raise SchemaError(
+        f"field {name!r}: a ragged field must be a list of tensors, a nested tensor or "
+        f"{{'values', 'offsets'}}, got {type(value).__name__}"
+    )
+
+
+def _first_bad(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def to_mapping(batch: Any) -> Mapping[str, Any]:
+    """Accept a dict or, when tensordict is installed, a TensorDict (checked first: it is not a
+    plain Mapping of its keys)."""
+    try:
+        from tensordict import TensorDictBase
+    except ImportError:
+        TensorDictBase = None  # noqa: N806
+    if TensorDictBase is not None and isinstance(batch, TensorDictBase):
+        return {key: batch.get(key) for key in batch.keys()}
+    if isinstance(batch, Mapping):
+        return batch
+    raise SchemaError(f"a rollout batch must be a dict of tensors (or a TensorDict), got {type(batch).__name__}")
+
+
+def validate_batch(batch: Any, fields: Mapping[str, FieldSpec]) -> PackedBatch:
+    """Validate and pack a batch. Raises SchemaError naming field, rollout and problem."""
+    batch = to_mapping(batch)
+    unknown = set(batch) - set(fields)
+    if unknown:
+        raise SchemaError(f"unknown field(s) {sorted(unknown)}; declare extra fields in the buffer's schema")
+    missing = [name for name, spec in fields.items() if spec.required and name not in batch]
+    if missing:
+        raise SchemaError(f"missing required field(s) {missing}")
+
+    n = None
+    token: dict[str, torch.Tensor] = {}
+    rollout: dict[str, torch.Tensor] = {}
+    offsets_by_field: dict[str, torch.Tensor] = {}
+
+    for name, spec in fields.items():
+        if name not in batch:
+            continue
+        value = batch[name]
+        if spec.kind == TOKEN:
+            values, offsets = _ragged(name, value)
+            count = offsets.numel() - 1
+            if values.numel() and not _dtype_ok(spec, values.dtype):
+                raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {values.dtype}")
+            if tuple(values.shape[1:]) != spec.shape and values.shape[0] > 0:
+                raise SchemaError(
+                    f"field {name!r}: each token row must have shape {spec.shape}, got {tuple(values.shape[1:])}"
+                )
+            if values.shape[0] == 0:
+                values = values.reshape(0, *spec.shape)
+            offsets_by_field[name] = offsets
+            token[name] = values
+        else:
+            if name == "policy_version" and isinstance(value, int) and not isinstance(value, bool):
+                value = torch.tensor([value])  # broadcast below once n is known
+            if not isinstance(value, torch.Tensor):
+                if isinstance(value, (list, tuple)):
+                    try:
+                        value = torch.tensor(value)
+                    except (TypeError, ValueError, RuntimeError) as exc:
+                        raise SchemaError(f"field {name!r}: cannot convert to a tensor ({exc})") from exc
+                else:
+                    raise SchemaError(f"field {name!r}: expected a tensor, got {type(value).__name__}")
+            if value.numel() and not _dtype_ok(spec, value.dtype):
+                raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {value.dtype}")
+            if value.dim() == 0 and name == "policy_version":
+                value = value.reshape(1)
+            if value.dim() == 0 or tuple(value.shape[1:]) != spec.shape:
+                raise SchemaError(f"field {name!r}: expected shape [n, *{spec.shape}], got {tuple(value.shape)}")
+            count = value.shape[0]
+            rollout[name] = value.detach().cpu()
+        if name == "policy_version" and count == 1 and spec.kind == ROLLOUT:
+            continue  # a single version may apply to the whole batch
+        if n is None:
+            n = count
+        elif count != n:
+            raise SchemaError(f"field {name!r}: has {count} rollouts, other fields have {n}")
+    if n is None:
+        raise SchemaError("empty batch")
+    if rollout["policy_version"].shape[0] == 1 and n != 1:
+        rollout["policy_version"] = rollout["policy_version"].expand(n).clone()
+    elif rollout["policy_version"].shape[0] != n:
+        raise SchemaError(f"field 'policy_version': has {rollout['policy_version'].shape[0]} rollouts, others have {n}")
+
+    offsets = offsets_by_field["tokens"]
+    for name, other in offsets_by_field.items():
+        if not torch.equal(other, offsets):
+            lengths = offsets[1:] - offsets[:-1]
+            other_lengths = other[1:] - other[:-1]
+            bad = _first_bad(lengths != other_lengths)
+            raise SchemaError(
+                f"field {name!r}, rollout {bad}: length {int(other_lengths[bad])} != tokens length {int(lengths[bad])}"
+            )
+    lengths = offsets[1:] - offsets[:-1]
+    if n and bool((lengths == 0).any()):
+        raise SchemaError(f"field 'tokens', rollout {_first_bad(lengths == 0)}: empty rollout")
+
+    for name in ("advantage", "reward"):
+        bad = ~torch.isfinite(rollout[name])
+        if bool(bad.any()):
+            i = _first_bad(bad)
+            raise SchemaError(f"field {name!r}, rollout {i}: must be finite, got {float(rollout[name][i])}")
+    for name, spec in fields.items():
+        if spec.kind == TOKEN and spec.accept == "float" and name in token:
+            bad = ~torch.isfinite(token[name])
+            if bool(bad.any()):
+                flat = bad.reshape(bad.shape[0], -1).any(dim=1)
+                row = _first_bad(flat)
+                i = int(torch.searchsorted(offsets, torch.tensor(row), right=True)) - 1
+                raise SchemaError(f"field {name!r}, rollout {i}: contains NaN/inf")
+    version = rollout["policy_version"]
+    if bool((version < 0).any()):
+        i = _first_bad(version < 0)
+        raise SchemaError(f"field 'policy_version', rollout {i}: must be >= 0, got {int(version[i])}")
+    prompt_len = rollout["prompt_len"]
+    if bool(((prompt_len < 0) | (prompt_len > lengths)).any()):
+        i = _first_bad((prompt_len < 0) | (prompt_len > lengths))
+        raise SchemaError(
+            f"field 'prompt_len', rollout {i}: must be in [0, {int(lengths[i])}] (the token count), got {int(prompt_len[i])}"
+        )
+    if "routing" in token:
+        spec = fields["routing"]
+        routing = token["routing"]
+        hi = torch.iinfo(spec.dtype).max
+        if routing.numel() and (int(routing.min()) < 0 or int(routing.max()) > hi):
+            bad = ((routing < 0) | (routing > hi)).reshape(routing.shape[0], -1).any(dim=1)
+            i = int(torch.searchsorted(offsets, torch.tensor(_first_bad(bad)), right=True)) - 1
+            raise SchemaError(f"field 'routing', rollout {i}: expert id outside [0, {hi}]")
+
+    for name, spec in fields.items():
+        if name in token:
+            token[name] = token[name].to(spec.dtype).contiguous()
+        elif name in rollout:
+            rollout[name] = rollout[name].to(spec.dtype).contiguous()
+    return PackedBatch(n=n, offsets=offsets, token=token, rollout=rollout)
+
+
+def check_finite_advantages(advantages: torch.Tensor, name: str = "advantages") -> None:
+    bad = ~torch.isfinite(advantages)
+    if bool(bad.any()):
+        i = _first_bad(bad)
+        raise SchemaError(f"{name}[{i}] must be finite, got {float(advantages[i])}")
+
