@@ -431,7 +431,11 @@ def test_state_dict_round_trip_gives_the_same_samples(make_sampler):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.weights, b.weights)
         buf.advance(6 + step)
         twin.advance(6 + step)
-    assert buf.metrics() == pytest.approx(twin.metrics(), nan_ok=True)
+    # storage_* figures are this process's I/O statistics, not buffer state.
+    def state_metrics(b):
+        return {k: v for k, v in b.metrics().items() if not k.startswith("storage_")}
+
+    assert state_metrics(buf) == pytest.approx(state_metrics(twin), nan_ok=True)
 
 
 def test_load_state_dict_rejects_mismatched_config():

@@ -169,8 +169,8 @@ def test_state_dict_round_trip_and_validation(dtype):
     [
         (lambda t: t.update(torch.tensor([1.0]), torch.tensor([1.0])), TypeError, "indices"),
         (lambda t: t.update(torch.tensor([[1]]), torch.tensor([1.0])), ValueError, "indices must be 1-D"),
-        (lambda t: t.update(torch.tensor([10]), torch.tensor([1.0])), IndexError, "outside"),
-        (lambda t: t.update(torch.tensor([-1]), torch.tensor([1.0])), IndexError, "outside"),
+        (lambda t: t.update(torch.tensor([10]), torch.tensor([1.0])), IndexError, "out of range"),
+        (lambda t: t.update(torch.tensor([-1]), torch.tensor([1.0])), IndexError, "out of range"),
         (lambda t: t.update(torch.tensor([1]), torch.tensor([-1.0])), ValueError, "priorities"),
         (lambda t: t.update(torch.tensor([1]), torch.tensor([float("nan")])), ValueError, "priorities"),
         (lambda t: t.update(torch.tensor([1]), torch.tensor([float("inf")])), ValueError, "priorities"),
@@ -180,10 +180,11 @@ def test_state_dict_round_trip_and_validation(dtype):
         (lambda t: t.sample(u=torch.tensor([1.0], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
         (lambda t: t.sample(u=torch.tensor([-0.1], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
         (lambda t: t.sample(u=torch.tensor([0.1, float("nan")], dtype=torch.float64)), ValueError, r"\[0, 1\)"),
+        (lambda t: t.update(torch.tensor([1, 2]), torch.tensor([1.0, -2.0])), ValueError, r"priorities\[1\]"),
         (lambda t: t.sample(u=torch.tensor([1])), TypeError, "u must be a floating"),
         (lambda t: t.sample(-3), ValueError, "batch_size"),
         (lambda t: t.sample(), ValueError, "batch_size or u"),
-        (lambda t: t[11], IndexError, "outside"),
+        (lambda t: t[11], IndexError, "out of range"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, error, match):

@@ -10,13 +10,16 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from torchreplay.errors import SchemaError
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
+from torchreplay.storage import CorruptRows, TieredStorage
 
 # Per-rollout fields the slot table holds for samplers and metrics; everything else lives in chunks.
 _TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
-EVICTION_REASONS = ("staleness", "reuse", "capacity")
+EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
 _STATE_VERSION = 1
 
 
@@ -79,14 +82,21 @@ class ReplayBatch:
 
 
 @dataclass
-class _Chunk:
-    """The packed rollouts of one add() call. Immutable once stored; dropped when no row is live."""
+class _Plan:
+    """What a batch will hold, snapshotted on the trainer thread so that materializing it (padding,
+    cold reads) can run on a prefetch thread while the buffer moves on."""
 
-    batch: PackedBatch
-    live_rows: int
-
-    def nbytes(self) -> int:
-        return self.batch.nbytes()
+    slots: torch.Tensor
+    weights: torch.Tensor
+    is_fresh: torch.Tensor
+    shard_of: torch.Tensor
+    rows: torch.Tensor
+    meta: dict[str, torch.Tensor]
+    generation: torch.Tensor
+    age: torch.Tensor
+    reuse: torch.Tensor
+    shards: list
+    fields: list[str]
 
 
 class _SlotTable:
@@ -136,6 +146,10 @@ class RolloutBuffer:
         routing: (num_experts, layers, top_k) to store MoE routing ids per token (Rollout Routing
             Replay), in the narrowest integer dtype that holds the expert ids.
         extra_fields: user-declared fields, name -> FieldSpec.
+        storage: where rollout bytes live (default: hot-only, in host RAM). See TieredStorage.
+        on_corrupt: when stored rollouts cannot be read back intact (checksum mismatch, vanished
+            file), they are evicted and counted (`evicted_corrupt`) and never returned; then
+            "raise" raises StorageError from that `sample` call, "skip" redraws the batch.
     """
 
     def __init__(
@@ -150,6 +164,8 @@ class RolloutBuffer:
         ref_logprobs: bool = False,
         routing: tuple[int, int, int] | None = None,
         extra_fields: Mapping[str, FieldSpec] | None = None,
+        storage: TieredStorage | None = None,
+        on_corrupt: str = "raise",
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
@@ -160,6 +176,10 @@ class RolloutBuffer:
             raise ValueError("max_reuse must be >= 1 (0 would evict every rollout before it is used)")
         if overflow not in ("evict_oldest", "raise"):
             raise ValueError(f"overflow must be 'evict_oldest' or 'raise', got {overflow!r}")
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        if storage is not None and not isinstance(storage, TieredStorage):
+            raise TypeError(f"storage must be a TieredStorage, got {type(storage).__name__}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         self.capacity = capacity
@@ -176,8 +196,9 @@ class RolloutBuffer:
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(self.sampler).__name__}")
         self._table = _SlotTable(capacity)
         self.sampler.bind(self._table)
-        self._chunks: dict[int, _Chunk] = {}
-        self._next_chunk = 0
+        self.storage = storage if storage is not None else TieredStorage()
+        self.on_corrupt = on_corrupt
+        self._prefetcher: ThreadPoolExecutor | None = None
         self._next_seq = 0
         # Free slots as a stack: the lowest slot is reused first, deterministically.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -187,7 +208,6 @@ class RolloutBuffer:
         self._counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
         self._counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self._last_ess = math.nan
-        self._bytes = 0
 
     # ------------------------------------------------------------------------------------ adding
     def __len__(self) -> int:
@@ -233,15 +253,11 @@ class RolloutBuffer:
             self._evict_oldest(n - len(self._free))
         slots = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
         t = self._table
-        chunk_id = self._next_chunk
-        self._next_chunk += 1
         # Table-held per-rollout fields are not kept twice.
-        chunk_batch = PackedBatch(
+        chunk_id = self.storage.put(PackedBatch(
             n=n, offsets=packed.offsets, token=packed.token,
             rollout={k: v for k, v in packed.rollout.items() if k not in _TABLE_FIELDS},
-        )
-        self._chunks[chunk_id] = _Chunk(chunk_batch, n)
-        self._bytes += chunk_batch.nbytes()
+        ))
         seq = torch.arange(self._next_seq, self._next_seq + n, dtype=torch.int64)
         self._next_seq += n
         t.live[slots] = True
@@ -276,12 +292,9 @@ class RolloutBuffer:
         self.sampler.on_remove(slots)
         t.live[slots] = False
         t.count -= slots.numel()
-        for chunk_id in t.chunk[slots].tolist():
-            chunk = self._chunks[chunk_id]
-            chunk.live_rows -= 1
-            if chunk.live_rows == 0:
-                self._bytes -= chunk.nbytes()
-                del self._chunks[chunk_id]
+        shard_ids, counts = torch.unique(t.chunk[slots], return_counts=True)
+        for shard_id, count in zip(shard_ids.tolist(), counts.tolist()):
+            self.storage.release(shard_id, count)
         t.chunk[slots] = -1
         self._free.extend(reversed(slots.tolist()))
         self._counters[f"evicted_{reason}"] += slots.numel()
@@ -314,12 +327,45 @@ class RolloutBuffer:
             evicted = len(victims)
             self._evict(torch.tensor(victims, dtype=torch.int64), "staleness")
         self.sampler.on_advance(policy_version)
+        for shard_id in self.storage.compaction_candidates():
+            self._compact(shard_id)
         # Keep the FIFO from growing without bound when most evictions are by age or reuse.
         if len(self._fifo) > 2 * self._table.count + 1024:
             self._fifo = deque((s, q) for s, q in self._fifo if self._alive(s, q))
         return evicted
 
+    def _compact(self, shard_id: int) -> None:
+        """Rewrite a mostly dead shard's live rows into a new shard, so its file and memory go."""
+        t = self._table
+        slots = ((t.chunk == shard_id) & t.live).nonzero().flatten()
+        shard = self.storage.shard(shard_id)
+        self.storage.pin_shards([shard_id])
+        try:
+            batch, index = self.storage.fetch(shard, t.row[slots], list(shard.token_fields))
+        except CorruptRows as exc:
+            self.storage.unpin_shards([shard])
+            self._evict_corrupt_quietly(exc)
+            return
+        self.storage.unpin_shards([shard])
+        new_id = self.storage.put(_subset(batch, index))
+        t.chunk[slots] = new_id
+        t.row[slots] = torch.arange(slots.numel())
+        self.storage.release(shard_id, slots.numel())
+        self.storage.counters["compactions"] += 1
+
+    def _evict_corrupt_quietly(self, exc: CorruptRows) -> None:
+        try:
+            self._evict_corrupt(exc)
+        except StorageError:
+            pass
+
     # ---------------------------------------------------------------------------------- sampling
+    def _check_batch_size(self, batch_size: int) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if self._table.count == 0:
+            raise ValueError("cannot sample: the buffer is empty")
+
     def sample(
         self,
         batch_size: int,
@@ -327,16 +373,51 @@ class RolloutBuffer:
         generator: torch.Generator | None = None,
     ) -> ReplayBatch:
         """Draw `batch_size` rollouts (with replacement) through the sampler; padded, on `device`."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if self._table.count == 0:
-            raise ValueError("cannot sample: the buffer is empty")
+        return self.sample_async(batch_size, device, generator, _inline=True).result()
+
+    def sample_async(
+        self,
+        batch_size: int,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        _inline: bool = False,
+    ) -> "PendingBatch":
+        """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
+        caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
+        decided now, on the calling thread, so results match `sample` for the same generator.
+        Call `.result()` on the returned object from the thread that owns the buffer."""
+        self._check_batch_size(batch_size)
+        self.storage.check()
         slots, weights = self.sampler.sample(batch_size, generator)
-        batch = self._gather(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
+        plan = self._plan(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
         self._counters["sampled_replay"] += batch_size
         self._counters["sample_calls"] += 1
         self._record_use(slots, weights)
-        return batch if device is None else batch.to(device)
+        if _inline:
+            future: Future = Future()
+            try:
+                future.set_result(self._materialize(plan))
+            except BaseException as exc:  # noqa: BLE001 - handed to PendingBatch.result
+                future.set_exception(exc)
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
+            future = self._prefetcher.submit(self._materialize, plan)
+        return PendingBatch(self, future, device, (batch_size, generator))
+
+    def prefetching(
+        self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[ReplayBatch]:
+        """Iterate batches with the next one always in flight (sample-ahead)."""
+        pending = self.sample_async(batch_size, device, generator)
+        taken = 0
+        while steps is None or taken < steps:
+            batch = pending.result()
+            taken += 1
+            if steps is None or taken < steps:
+                pending = self.sample_async(batch_size, device, generator)
+            yield batch
 
     def compose(
         self,
@@ -348,33 +429,52 @@ class RolloutBuffer:
         """Fresh-anchored batch: all of `fresh`, plus replayed rollouts making up `replay_ratio` of
         the result (0 <= replay_ratio < 1). Replayed rollouts are drawn before `fresh` is added, so
         they are never the fresh ones; `fresh` is then stored, and its use counts towards max_reuse.
-        Fresh rollouts get IS weight 1."""
+        Fresh rollouts get IS weight 1. If replayed rollouts turn out unreadable (see `on_corrupt`)
+        and the error is raised, `fresh` has not been added."""
         if isinstance(replay_ratio, bool) or not isinstance(replay_ratio, (int, float)) or not (
             0 <= replay_ratio < 1
         ):
             raise ValueError(f"replay_ratio must be a number in [0, 1), got {replay_ratio!r}")
         packed = validate_batch(fresh, self.fields)
         self._check_admissible(packed)
-        n_replay = round(packed.n * replay_ratio / (1 - replay_ratio)) if self._table.count else 0
-        replay_slots, replay_weights = (
-            self.sampler.sample(n_replay, generator) if n_replay else (torch.empty(0, dtype=torch.int64),
-                                                                       torch.empty(0))
-        )
-        replayed = self._gather(replay_slots, replay_weights, torch.zeros(n_replay, dtype=torch.bool)) if n_replay \
-            else None
-        if replayed is not None:
+        self.storage.check()
+        replayed = None
+        replay_slots = torch.empty(0, dtype=torch.int64)
+        n_replay = round(packed.n * replay_ratio / (1 - replay_ratio))
+        while n_replay and self._table.count and replayed is None:
+            replay_slots, replay_weights = self.sampler.sample(n_replay, generator)
+            plan = self._plan(replay_slots, replay_weights, torch.zeros(n_replay, dtype=torch.bool))
+            try:
+                replayed = self._materialize(plan)
+            except CorruptRows as exc:
+                self._evict_corrupt(exc)  # then redraw ("skip") or raise
+                continue
             self._record_use(replay_slots, replay_weights, evict=False)
+        if replayed is None:
+            replay_slots = torch.empty(0, dtype=torch.int64)
         handles = self._store(packed)
-        fresh_batch = self._gather(handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool))
+        fresh_batch = self._materialize(
+            self._plan(handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool)))
         self._record_use(handles.slot, None, evict=False)
         # Reuse eviction after both parts are gathered: a replayed slot freed now could otherwise
         # have been handed to a fresh rollout in the same call.
         self._evict_overused(torch.cat([replay_slots, handles.slot]))
         self._counters["sampled_fresh"] += packed.n
         self._counters["sample_calls"] += 1
-        self._counters["sampled_replay"] += n_replay
+        self._counters["sampled_replay"] += replay_slots.numel()
         out = fresh_batch if replayed is None else _concat(fresh_batch, replayed, self)
         return out if device is None else out.to(device)
+
+    def _evict_corrupt(self, exc: CorruptRows) -> None:
+        """Evict the live rollouts stored in the unreadable rows; raise unless on_corrupt='skip'."""
+        t = self._table
+        in_shard = (t.chunk == exc.shard_id) & t.live
+        hit = in_shard.nonzero().flatten()
+        hit = hit[torch.isin(t.row[hit], torch.tensor(exc.rows, dtype=torch.int64))]
+        self._evict(hit, "corrupt")
+        self.storage.counters["corrupt_rows"] += hit.numel()
+        if self.on_corrupt == "raise" or self._table.count == 0:
+            raise StorageError(f"{exc}; {hit.numel()} rollout(s) evicted, the rest of the buffer is intact") from exc
 
     def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None, evict: bool = True) -> None:
         if weights is not None and weights.numel():
@@ -391,16 +491,38 @@ class RolloutBuffer:
         over = unique[(self._table.reuse[unique] >= self.max_reuse) & self._table.live[unique]]
         self._evict(over, "reuse")
 
-    def _gather(self, slots: torch.Tensor, weights: torch.Tensor, is_fresh: torch.Tensor) -> ReplayBatch:
+    def _plan(self, slots: torch.Tensor, weights: torch.Tensor, is_fresh: torch.Tensor) -> _Plan:
+        """Snapshot what the batch needs and pin its shards (trainer thread)."""
         t = self._table
-        n = slots.numel()
+        shard_of = t.chunk[slots]
+        shard_ids = torch.unique(shard_of).tolist()
+        self.storage.pin_shards(shard_ids)
+        fields = [name for name, spec in self.fields.items()
+                  if spec.required or name in self.storage.optional_fields]
+        return _Plan(
+            slots=slots.clone(), weights=weights.to(torch.float32), is_fresh=is_fresh, shard_of=shard_of,
+            rows=t.row[slots], meta={name: getattr(t, name)[slots].clone() for name in _TABLE_FIELDS},
+            generation=t.generation[slots].clone(), age=t.version - t.policy_version[slots],
+            reuse=t.reuse[slots].clone(), shards=[self.storage.shard(s) for s in shard_ids], fields=fields,
+        )
+
+    def _materialize(self, plan: _Plan) -> ReplayBatch:
+        """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
+        try:
+            return self._pad(plan)
+        finally:
+            self.storage.unpin_shards(plan.shards)
+
+    def _pad(self, plan: _Plan) -> ReplayBatch:
+        n = plan.slots.numel()
+        token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
+        parts = []
         lengths = torch.empty(n, dtype=torch.int64)
-        chunk_of = t.chunk[slots]
-        rows = t.row[slots]
-        for chunk_id in torch.unique(chunk_of).tolist():
-            at = (chunk_of == chunk_id).nonzero().flatten()
-            offsets = self._chunks[chunk_id].batch.offsets
-            lengths[at] = offsets[rows[at] + 1] - offsets[rows[at]]
+        for shard in plan.shards:
+            at = (plan.shard_of == shard.id).nonzero().flatten()
+            batch, index = self.storage.fetch(shard, plan.rows[at], token_fields)
+            lengths[at] = batch.offsets[index + 1] - batch.offsets[index]
+            parts.append((at, batch, index))
         width = int(lengths.max()) if n else 0
         positions = torch.arange(width)
         if self.padding_side == "right":
@@ -410,46 +532,38 @@ class RolloutBuffer:
             shift = width - lengths
             valid = positions[None, :] >= shift[:, None]
         data: dict[str, torch.Tensor] = {}
-        for name, spec in self.fields.items():
-            if spec.kind != TOKEN or (not spec.required and not self._stored(name)):
-                continue
+        for name in token_fields:
+            spec = self.fields[name]
             fill = self.pad_token_id if name == "tokens" else 0
             data[name] = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype)
-        extra_rollout = {name: spec for name, spec in self.fields.items()
-                         if spec.kind == ROLLOUT and name not in _TABLE_FIELDS and self._stored(name)}
-        for name, spec in extra_rollout.items():
-            data[name] = torch.zeros((n, *spec.shape), dtype=spec.dtype)
-        for chunk_id in torch.unique(chunk_of).tolist():
-            at = (chunk_of == chunk_id).nonzero().flatten()
-            batch = self._chunks[chunk_id].batch
-            starts = batch.offsets[rows[at]]
+        extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
+        for name in extra_rollout:
+            data[name] = torch.zeros((n, *self.fields[name].shape), dtype=self.fields[name].dtype)
+        for at, batch, index in parts:
+            starts = batch.offsets[index]
             src = starts[:, None] + positions[None, :] - shift[at][:, None]
             ok = valid[at]
             src = torch.where(ok, src, starts[:, None])  # any in-bounds index; masked out below
-            for name, values in batch.token.items():
-                if name not in data:
+            for name in token_fields:
+                values = batch.token.get(name)
+                if values is None:
                     continue
                 picked = values[src]
                 mask = ok.reshape(*ok.shape, *([1] * (picked.dim() - 2)))
                 data[name][at] = torch.where(mask, picked, data[name][at])
             for name in extra_rollout:
                 if name in batch.rollout:
-                    data[name][at] = batch.rollout[name][rows[at]]
+                    data[name][at] = batch.rollout[name][index]
         data["attention_mask"] = valid
-        for name in _TABLE_FIELDS:
-            data[name] = getattr(t, name)[slots].clone()
+        data.update(plan.meta)
         return ReplayBatch(
             data=data,
-            handles=Handles(slots.clone(), t.generation[slots].clone()),
-            weights=weights.to(torch.float32),
-            age=t.version - t.policy_version[slots],
-            reuse=t.reuse[slots].clone(),
-            is_fresh=is_fresh,
+            handles=Handles(plan.slots, plan.generation),
+            weights=plan.weights,
+            age=plan.age,
+            reuse=plan.reuse,
+            is_fresh=plan.is_fresh,
         )
-
-    def _stored(self, name: str) -> bool:
-        """Whether any live chunk holds the optional field `name`."""
-        return any(name in c.batch.token or name in c.batch.rollout for c in self._chunks.values())
 
     # -------------------------------------------------------------------------------- priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:
@@ -490,7 +604,7 @@ class RolloutBuffer:
         out: dict[str, float] = {
             "size": t.count,
             "capacity": self.capacity,
-            "bytes": self._bytes,
+            "bytes": self.storage.total_bytes(),
             "policy_version": t.version,
             "ess_fraction": self._last_ess,
             "age_mean": float(ages.double().mean()) if ages.numel() else 0.0,
@@ -506,6 +620,7 @@ class RolloutBuffer:
             sel = (reuse >= lo) if hi is None else ((reuse >= lo) & (reuse <= hi))
             out[key] = int(sel.sum())
         out.update(self._counters)
+        out.update(self.storage.metrics())
         return out
 
     # ------------------------------------------------------------------------------------- state
@@ -518,12 +633,7 @@ class RolloutBuffer:
             "table": {name: getattr(t, name).clone() for name in _SlotTable.TENSORS},
             "version": t.version,
             "count": t.count,
-            "chunks": {
-                str(cid): {"offsets": c.batch.offsets, "token": dict(c.batch.token),
-                           "rollout": dict(c.batch.rollout), "live_rows": c.live_rows}
-                for cid, c in self._chunks.items()
-            },
-            "next_chunk": self._next_chunk,
+            "chunks": self._chunk_states(),
             "next_seq": self._next_seq,
             "free": torch.tensor(self._free, dtype=torch.int64),
             "fifo": torch.tensor(list(self._fifo), dtype=torch.int64).reshape(-1, 2),
@@ -533,6 +643,26 @@ class RolloutBuffer:
             "last_ess": self._last_ess,
             "sampler": self.sampler.state_dict(),
         }
+
+    def _chunk_states(self) -> dict[str, Any]:
+        t = self._table
+        shard_ids, live_rows = torch.unique(t.chunk[t.live], return_counts=True)
+        out = {}
+        for sid, live in zip(shard_ids.tolist(), live_rows.tolist()):
+            b = self.storage.read_shard(sid)
+            out[str(sid)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
+                             "live_rows": live}
+        return out
+
+    def _chunk_states(self) -> dict[str, Any]:
+        t = self._table
+        shard_ids, live_rows = torch.unique(t.chunk[t.live], return_counts=True)
+        out = {}
+        for sid, live in zip(shard_ids.tolist(), live_rows.tolist()):
+            b = self.storage.read_shard(sid)
+            out[str(sid)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
+                             "live_rows": live}
+        return out
 
     def _config(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "max_staleness": self.max_staleness, "max_reuse": self.max_reuse,
@@ -558,26 +688,44 @@ class RolloutBuffer:
             raise ValueError("state: a live slot names a chunk that is not in the state")
         if int(live.sum()) != int(state["count"]):
             raise ValueError("state: count disagrees with the live mask")
+        for cid, c in state["chunks"].items():
+            offsets = c.get("offsets") if isinstance(c, Mapping) else None
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
+                raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
+            rows_used = table["row"][live & (table["chunk"] == int(cid))]
+            if rows_used.numel() and int(rows_used.max()) >= offsets.numel() - 1:
+                raise ValueError(f"state chunk {cid}: a live slot names a row past the chunk's end")
         new_table = _SlotTable(self.capacity)
         for name in _SlotTable.TENSORS:
             setattr(new_table, name, table[name].clone())
         new_table.version = int(state["version"])
         new_table.count = int(state["count"])
-        chunks = {}
-        for cid, c in state["chunks"].items():
-            batch = PackedBatch(n=c["offsets"].numel() - 1, offsets=c["offsets"], token=dict(c["token"]),
-                                rollout=dict(c["rollout"]))
-            chunks[int(cid)] = _Chunk(batch, int(c["live_rows"]))
-        old = (self._table, self._chunks)
-        self._table, self._chunks = new_table, chunks
+        old_table, old_sampler_state = self._table, self.sampler.state_dict()
+        self._table = new_table
         try:
             self.sampler.bind(new_table)
             self.sampler.load_state_dict(state["sampler"])
         except Exception:
-            self._table, self._chunks = old
-            self.sampler.bind(self._table)
+            self._table = old_table
+            self.sampler.bind(old_table)
+            self.sampler.load_state_dict(old_sampler_state)
             raise
-        self._next_chunk = int(state["next_chunk"])
+        # Committed: release what the buffer held, then store the loaded chunks under new shard ids.
+        old_ids, old_counts = torch.unique(old_table.chunk[old_table.live], return_counts=True)
+        for sid, count in zip(old_ids.tolist(), old_counts.tolist()):
+            self.storage.release(sid, count)
+        remap: dict[int, int] = {}
+        for cid, c in state["chunks"].items():
+            batch = PackedBatch(n=c["offsets"].numel() - 1, offsets=c["offsets"], token=dict(c["token"]),
+                                rollout=dict(c["rollout"]))
+            remap[int(cid)] = self.storage.put(batch)
+            dead = batch.n - int(c["live_rows"])
+            if dead:
+                self.storage.release(remap[int(cid)], dead)
+        live_slots = new_table.live.nonzero().flatten()
+        new_table.chunk[live_slots] = torch.tensor([remap[c] for c in new_table.chunk[live_slots].tolist()],
+                                                   dtype=torch.int64)
+        new_table.chunk[~new_table.live] = -1
         self._next_seq = int(state["next_seq"])
         self._free = state["free"].tolist()
         self._fifo = deque(tuple(p) for p in state["fifo"].tolist())
@@ -585,13 +733,55 @@ class RolloutBuffer:
         self._version_heap = sorted(self._by_version)
         self._counters = dict(state["counters"])
         self._last_ess = float(state["last_ess"])
-        self._bytes = sum(c.nbytes() for c in self._chunks.values())
+
+    def close(self) -> None:
+        """Finish background work (spills, prefetch) and release files and threads."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+        self.storage.close()
+
+    def __enter__(self) -> "RolloutBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def to(self, device: torch.device | str) -> "RolloutBuffer":
         """Move the sampler's priority tree to `device` (CPU or CUDA); payloads stay in host memory
         and are moved per batch by `sample(device=...)`."""
         self.sampler.to(device)
         return self
+
+
+class PendingBatch:
+    """A batch being paged in. `result()` waits for it; if its rollouts turned out unreadable, they
+    are evicted here (on the owner's thread) and, with on_corrupt='skip', a new batch is drawn."""
+
+    def __init__(self, buffer: RolloutBuffer, future: Future, device, redraw: tuple) -> None:
+        self._buffer, self._future, self._device, self._redraw = buffer, future, device, redraw
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> ReplayBatch:
+        try:
+            batch = self._future.result()
+        except CorruptRows as exc:
+            self._buffer._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
+            batch_size, generator = self._redraw
+            return self._buffer.sample(batch_size, self._device, generator)
+        return batch if self._device is None else batch.to(self._device)
+
+
+def _subset(batch: PackedBatch, index: torch.Tensor) -> PackedBatch:
+    """Rows `index` of a packed batch, as a new packed batch (row k = batch row index[k])."""
+    starts, ends = batch.offsets[index], batch.offsets[index + 1]
+    lengths = ends - starts
+    offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    token_rows = torch.repeat_interleave(starts - offsets[:-1], lengths) + torch.arange(int(offsets[-1]))
+    return PackedBatch(n=index.numel(), offsets=offsets, token={k: v[token_rows] for k, v in batch.token.items()},
+                       rollout={k: v[index] for k, v in batch.rollout.items()})
 
 
 def _concat(first: ReplayBatch, second: ReplayBatch, buffer: RolloutBuffer) -> ReplayBatch:

@@ -33,11 +33,12 @@ class SegmentTree:
     from its children on update, so the root never drifts from the sum of the leaves. A leaf with
     priority 0 is never sampled.
 
-    All methods keep their work on the tree's device. With `validate=True` (the default) the values
-    of arguments (index ranges, NaN/negative priorities, `u` in [0, 1), sampling an empty tree) are
-    checked before anything changes; on CUDA that costs one device-to-host synchronization per
-    call, so a hot loop that already guarantees valid input can pass `validate=False`. The kernels
-    stay memory-safe either way.
+    All methods keep their work on the tree's device. Argument values (index ranges, NaN/negative
+    priorities, `u` in [0, 1), sampling an empty tree) are checked before anything changes: on the
+    CPU inside the ops themselves, always; on CUDA by this class when `validate=True` (the default),
+    at the cost of one device-to-host synchronization per call, so a hot loop that already
+    guarantees valid input can pass `validate=False`. The CUDA kernels skip invalid entries, so
+    they stay memory-safe either way.
     """
 
     def __init__(
@@ -61,6 +62,11 @@ class SegmentTree:
         self._leaves = torch.zeros(padded, dtype=dtype, device=device)
         self._sums = torch.zeros(internal, dtype=torch.float64, device=device)
         self._mins = torch.full((internal,), math.inf, dtype=torch.float64, device=device)
+
+    @property
+    def _check_values_here(self) -> bool:
+        # The CPU ops validate values themselves (cheaply, before writing); only CUDA needs Python to.
+        return self.validate and self._leaves.device.type != "cpu"
 
     # ------------------------------------------------------------------ properties
     @property
@@ -90,8 +96,9 @@ class SegmentTree:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
         if indices.device != self.device:
             raise ValueError(f"{name} must be on the tree's device {self.device}, got {indices.device}")
-        indices = indices.to(torch.int64)
-        if self.validate and indices.numel():
+        if indices.dtype != torch.int64:
+            indices = indices.to(torch.int64)
+        if self._check_values_here and indices.numel():
             lo, hi = int(indices.min()), int(indices.max())
             if lo < 0 or hi >= self.capacity:
                 bad = lo if lo < 0 else hi
@@ -109,8 +116,9 @@ class SegmentTree:
             priorities = priorities.expand(count)
         if priorities.shape != (count,):
             raise ValueError(f"priorities must have shape ({count},) to match indices, got {tuple(priorities.shape)}")
-        priorities = priorities.to(self.dtype)
-        if self.validate and count:
+        if priorities.dtype != self.dtype:
+            priorities = priorities.to(self.dtype)
+        if self._check_values_here and count:
             bad = ~(torch.isfinite(priorities) & (priorities >= 0))
             if bool(bad.any()):
                 where = int(bad.nonzero()[0, 0])
@@ -157,9 +165,9 @@ class SegmentTree:
             if u.device != self.device:
                 raise ValueError(f"u must be on the tree's device {self.device}, got {u.device}")
             u = u.to(torch.float64)
-            if self.validate and u.numel() and not bool(((u >= 0) & (u < 1)).all()):
+            if self._check_values_here and u.numel() and not bool(((u >= 0) & (u < 1)).all()):
                 raise ValueError("u must lie in [0, 1)")
-        if self.validate and u.numel() and not bool(self.total() > 0):
+        if self._check_values_here and u.numel() and not bool(self.total() > 0):
             raise ValueError("cannot sample from an empty tree: every priority is 0")
         return ops.tree_sample(self._leaves, self._sums, u, self.capacity, stratified)
 

@@ -1,0 +1,330 @@
+"""Tiered storage: write-through spill, page-in, prefetch, shard lifecycle, faults, memory bound."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+import time
+
+import pytest
+import torch
+
+import torchreplay as tr
+from rollouts import make_batch
+from torchreplay.storage import TieredStorage
+from torchreplay.storage import format as fmt
+
+ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
+
+
+def twin_buffers(tmp_path, hot_bytes, **kw):
+    """The same buffer hot-only and tiered, fed identical data."""
+    hot = tr.RolloutBuffer(256, sampler=tr.PrioritizedSampler(alpha=0.7), **kw)
+    cold = tr.RolloutBuffer(256, sampler=tr.PrioritizedSampler(alpha=0.7), **kw,
+                            storage=TieredStorage(hot_bytes=hot_bytes, spill_dir=tmp_path / "spill", io="posix"))
+    for i in range(8):
+        batch = make_batch(24, seed=100 + i, max_len=400, group_base=10 * i)
+        hot.add(batch)
+        cold.add(batch)
+    return hot, cold
+
+
+def assert_same(a, b):
+    assert a.data.keys() == b.data.keys()
+    for key in a.data:
+        assert torch.equal(a.data[key], b.data[key]), key
+    assert torch.equal(a.handles.slot, b.handles.slot) and torch.equal(a.weights, b.weights)
+
+
+def test_spilled_rollouts_read_back_identical(tmp_path):
+    hot, cold = twin_buffers(tmp_path, hot_bytes=20_000)
+    cold.storage.flush()
+    m = cold.metrics()
+    assert m["storage_hot_bytes"] <= 20_000
+    assert m["storage_cold_shards"] >= 6 and m["storage_spilled_shards"] == 8
+    assert len(list((tmp_path / "spill").glob("*.trs"))) == 8
+    for seed in range(3):
+        assert_same(hot.sample(40, generator=torch.Generator().manual_seed(seed)),
+                    cold.sample(40, generator=torch.Generator().manual_seed(seed)))
+    assert cold.metrics()["storage_cold_reads"] > 0
+    cold.close()
+
+
+def test_page_in_reads_only_the_needed_pages(tmp_path):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
+    buf = tr.RolloutBuffer(4096, sampler=tr.UniformSampler(), storage=storage)
+    buf.add(make_batch(4000, seed=1, min_len=200, max_len=400))
+    storage.flush()
+    shard_bytes = os.path.getsize(next(tmp_path.glob("*.trs")))
+    buf.sample(4, generator=torch.Generator().manual_seed(0))
+    read = buf.metrics()["storage_cold_bytes_read"]
+    # 4 rollouts x 3 token fields, each at most two 64 KiB pages: far below the ~16 MB shard.
+    assert 0 < read <= 4 * 3 * 2 * fmt.PAGE_SIZE < shard_bytes / 4
+
+
+def test_prefetch_matches_sample(tmp_path):
+    hot, cold = twin_buffers(tmp_path, hot_bytes=0, max_reuse=3)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    ahead = list(cold.prefetching(16, steps=5, generator=g2))
+    for batch in ahead:
+        assert_same(hot.sample(16, generator=g1), batch)
+    pending = cold.sample_async(8, generator=g2)
+    assert_same(hot.sample(8, generator=g1), pending.result())
+    cold.close()
+
+
+def test_shard_files_deleted_when_all_rollouts_evicted(tmp_path):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
+    for v in range(3):
+        buf.add(make_batch(8, version=v, seed=v))
+    storage.flush()
+    assert len(list(tmp_path.glob("*.trs"))) == 3
+    buf.advance(3)  # versions 0 and 1 go
+    assert len(list(tmp_path.glob("*.trs"))) == 1
+    buf.close()
+
+
+def test_mostly_dead_shards_are_compacted(tmp_path):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0.5)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, storage=storage)
+    batch = make_batch(32, seed=3)
+    handles = buf.add(batch)
+    storage.flush()
+    # Use up 24 of the 32 rollouts, leaving the shard 25% live.
+    buf.sample(1, generator=torch.Generator().manual_seed(0))
+    while len(buf) > 8:
+        buf.sample(1, generator=torch.Generator().manual_seed(len(buf)))
+    survivors = [s for s, g in handles if buf._table.live[s]]
+    buf.advance(1)
+    storage.flush()
+    assert buf.metrics()["storage_compactions"] == 1
+    assert len(list(tmp_path.glob("*.trs"))) == 1
+    out = buf.sample(8, generator=torch.Generator().manual_seed(1))
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        assert slot in survivors
+        n = batch["tokens"][slot].numel()
+        assert torch.equal(out.tokens[k, :n], batch["tokens"][slot])
+    buf.close()
+
+
+def test_shard_header_validation(tmp_path):
+    batch = make_batch(5, seed=4)
+    hot = tr.RolloutBuffer(8, storage=TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix"))
+    hot.add(batch)
+    hot.storage.flush()
+    path = next(tmp_path.glob("*.trs"))
+    data = path.read_bytes()
+    header = fmt.parse_header(data, len(data))
+    assert all(b.offset % 4096 == 0 for b in header.blocks.values())
+    assert len(data) % 4096 == 0
+    with pytest.raises(tr.StorageError, match="magic"):
+        fmt.parse_header(b"XXXXXXXX" + data[8:], len(data))
+    flipped = bytearray(data)
+    flipped[30] ^= 0xFF
+    with pytest.raises(tr.StorageError, match="checksum"):
+        fmt.parse_header(bytes(flipped), len(data))
+    with pytest.raises(tr.StorageError, match="bytes"):
+        fmt.parse_header(data, len(data) - 4096)
+
+
+def corrupt_block(path, field="tokens"):
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    header = fmt.parse_header(bytes(data), len(data))
+    block = header.blocks[field]
+    for i in range(block.offset, block.offset + block.nbytes, 997):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_corrupt_block_evicts_affected_rollouts_and_keeps_serving(tmp_path, mode):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage, on_corrupt=mode)
+    good = make_batch(16, seed=5)
+    bad = make_batch(16, seed=6)
+    good_handles = buf.add(good)
+    bad_handles = buf.add(bad)
+    storage.flush()
+    corrupt_block(storage.shard(int(buf._table.chunk[bad_handles.slot[0]])).path)
+    gen = torch.Generator().manual_seed(0)
+    if mode == "raise":
+        with pytest.raises(tr.StorageError, match="checksum"):
+            for _ in range(20):
+                buf.sample(8, generator=gen)
+    for _ in range(20):
+        out = buf.sample(8, generator=gen)
+        assert set(out.handles.slot.tolist()) <= set(good_handles.slot.tolist())
+        for k, slot in enumerate(out.handles.slot.tolist()):
+            n = good["tokens"][slot].numel()
+            assert torch.equal(out.tokens[k, :n], good["tokens"][slot])
+    m = buf.metrics()
+    assert m["evicted_corrupt"] > 0 and m["storage_corrupt_rows"] == m["evicted_corrupt"]
+    assert len(buf) == 32 - m["evicted_corrupt"]
+    buf.close()
+
+
+def test_vanished_file_raises_storage_error_and_evicts_its_rollouts(tmp_path):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage)
+    keep = buf.add(make_batch(8, seed=7))
+    lost = buf.add(make_batch(8, seed=8))
+    storage.flush()
+    os.unlink(storage.shard(int(buf._table.chunk[lost.slot[0]])).path)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(tr.StorageError, match="vanished"):
+        for _ in range(10):
+            buf.sample(16, generator=gen)
+    assert len(buf) == 8 and buf.metrics()["evicted_corrupt"] == 8
+    out = buf.sample(16, generator=gen)
+    assert set(out.handles.slot.tolist()) <= set(keep.slot.tolist())
+    buf.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    if not ROOT:
+        pytest.skip("mounting a size-limited tmpfs needs root (CI and these machines run as root)")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_disk_full_surfaces_storage_error_and_loses_nothing(small_tmpfs):
+    storage = TieredStorage(hot_bytes=0, spill_dir=small_tmpfs, io="posix")
+    buf = tr.RolloutBuffer(512, sampler=tr.UniformSampler(), storage=storage)
+    batches = [make_batch(64, seed=10 + i, min_len=500, max_len=600) for i in range(4)]  # ~1.7 MB each
+    handles = []
+    with pytest.raises(tr.StorageError, match="disk full"):
+        for b in batches:
+            handles.append(buf.add(b))
+            time.sleep(0.2)
+        buf.storage.flush()
+    assert len(buf) == 64 * len(handles)
+    assert not [p for p in os.listdir(small_tmpfs) if ".tmp-" in p], "partial shard left behind"
+    # Everything accepted is still readable: the failed shards kept their hot copies.
+    out = buf.sample(256, generator=torch.Generator().manual_seed(0))
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        for i, h in enumerate(handles):
+            where = (h.slot == slot).nonzero()
+            if where.numel():
+                src = batches[i]["tokens"][int(where[0, 0])]
+                assert torch.equal(out.tokens[k, : src.numel()], src)
+    buf.close()
+
+
+def test_permission_denied_is_a_storage_error(tmp_path):
+    target = tmp_path / "locked"
+    target.mkdir()
+    os.chmod(target, 0o555)
+    if not ROOT:
+        with pytest.raises(tr.StorageError, match="permission denied"):
+            TieredStorage(hot_bytes=0, spill_dir=target, io="posix")
+        return
+    # root bypasses permission bits: run the check in a child that has dropped the capabilities
+    # that let it (util-linux setpriv), so the kernel really answers EACCES.
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to drop root's DAC capabilities"
+    code = textwrap.dedent(f"""
+        from torchreplay.storage import TieredStorage
+        from torchreplay.errors import StorageError
+        try:
+            TieredStorage(hot_bytes=0, spill_dir={str(target / "spill")!r}, io="posix")
+        except StorageError as exc:
+            print("StorageError:", exc)
+    """)
+    out = subprocess.run([setpriv, "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120)
+    assert "StorageError" in out.stdout and "permission denied" in out.stdout, out.stdout + out.stderr
+
+
+def test_io_auto_without_cuda_driver_picks_posix(tmp_path, caplog):
+    from torchreplay.storage import cuda_driver_present
+
+    if cuda_driver_present():
+        pytest.skip("a CUDA driver is present: auto picks kvikio (covered by the kvikio test)")
+    with caplog.at_level("INFO", logger="torchreplay.storage"):
+        storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="auto")
+    assert storage.io_name == "posix" and "POSIX" in caplog.text
+    with pytest.raises(tr.StorageError, match="CUDA driver"):
+        TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="kvikio")
+
+
+@pytest.mark.cuda
+def test_kvikio_round_trip(tmp_path):
+    pytest.importorskip("kvikio", reason="kvikio is not installed (pip install kvikio-cu13)")
+    hot, cold = twin_buffers(tmp_path, hot_bytes=0)
+    cold.storage.close()
+    kv = tr.RolloutBuffer(256, sampler=tr.PrioritizedSampler(alpha=0.7),
+                          storage=TieredStorage(hot_bytes=0, spill_dir=tmp_path / "kv", io="kvikio"))
+    for i in range(8):
+        kv.add(make_batch(24, seed=100 + i, max_len=400, group_base=10 * i))
+    kv.storage.flush()
+    assert kv.storage.io_name == "kvikio"
+    assert_same(hot.sample(40, generator=torch.Generator().manual_seed(0)),
+                kv.sample(40, generator=torch.Generator().manual_seed(0)))
+
+
+def test_direct_io_round_trip(tmp_path):
+    try:
+        fd = os.open(tmp_path / "probe", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+        os.close(fd)
+    except OSError:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    hot = tr.RolloutBuffer(64, sampler=tr.UniformSampler())
+    direct = tr.RolloutBuffer(64, sampler=tr.UniformSampler(),
+                              storage=TieredStorage(hot_bytes=0, spill_dir=tmp_path / "d", io="posix", direct=True))
+    for i in range(3):
+        b = make_batch(16, seed=20 + i, max_len=200)
+        hot.add(b)
+        direct.add(b)
+    direct.storage.flush()
+    assert_same(hot.sample(32, generator=torch.Generator().manual_seed(1)),
+                direct.sample(32, generator=torch.Generator().manual_seed(1)))
+    direct.close()
+
+
+def test_memory_stays_within_the_hot_budget(tmp_path):
+    """Spill 384 MiB with a 32 MiB hot budget: RSS growth stays under budget + 96 MiB fixed overhead.
+
+    Runs in a child process so the measurement sees only this workload. The 4 GiB version is
+    `benchmarks/bench_storage.py --rss`.
+    """
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import torchreplay as tr
+        from torchreplay.storage import TieredStorage
+        def rss():
+            with open('/proc/self/statm') as f:
+                return int(f.read().split()[1]) * 4096
+        buf = tr.RolloutBuffer(1 << 16, sampler=tr.UniformSampler(),
+                               storage=TieredStorage(hot_bytes=32 << 20, spill_dir={str(tmp_path)!r}, io='posix'))
+        n, length = 256, 12 * 1024  # 256 rollouts x 12k tokens x 13 B = 40 MB per add
+        toks = torch.randint(0, 1000, (n * length,))
+        lp = -torch.rand(n * length)
+        mask = torch.ones(n * length, dtype=torch.bool)
+        offsets = torch.arange(n + 1) * length
+        base = rss()
+        peak = 0
+        for step in range(10):
+            buf.add({{'tokens': {{'values': toks, 'offsets': offsets}},
+                     'logprobs': {{'values': lp, 'offsets': offsets}},
+                     'response_mask': {{'values': mask, 'offsets': offsets}},
+                     'prompt_len': torch.zeros(n, dtype=torch.long), 'reward': torch.zeros(n),
+                     'advantage': torch.randn(n), 'group_id': torch.arange(n), 'policy_version': 0}})
+            buf.sample(8, generator=torch.Generator().manual_seed(step))
+            peak = max(peak, rss() - base)
+        buf.storage.flush()
+        print('spilled', buf.metrics()['storage_spilled_bytes'], 'peak_growth', peak)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    spilled, growth = (int(x) for x in out.stdout.split()[1::2])
+    assert spilled >= 380 << 20
+    assert growth <= (32 << 20) + (96 << 20), f"RSS grew {growth / 2**20:.0f} MiB"

@@ -1,0 +1,213 @@
+"""The shard file format: one sealed, immutable file per shard, readable field by field.
+
+Layout (all integers little-endian)::
+
+    0      8 bytes   magic b"TRSHARD1"
+    8      8 bytes   header length H (u64)
+    16     4 bytes   CRC32 of the header bytes (u32)
+    20     H bytes   JSON header (UTF-8)
+    ...    zero padding to the next 4 KiB boundary
+    blocks           one per field, each starting on a 4 KiB boundary, zero padded to 4 KiB
+
+The header is self-describing: format version, rollout count, page size, and a field table
+(name, kind "offsets" | "token" | "rollout", dtype, per-row shape, block offset, byte size, and a
+CRC32 per page of the block). Pages are `page_size` bytes (a multiple of 4 KiB), so a reader
+fetching one rollout's tokens reads and verifies only the pages that hold them, and every read is
+4 KiB aligned: the same file serves O_DIRECT, GPUDirect Storage (kvikio) and plain reads.
+
+Readers validate the header before trusting any length: magic, version, header CRC, field names
+and dtypes from a closed list, block extents inside the file, and offsets that are monotone and
+end at the token block's row count.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchreplay.errors import StorageError
+
+MAGIC = b"TRSHARD1"
+FORMAT_VERSION = 1
+ALIGN = 4096
+PAGE_SIZE = 64 * 1024
+_PREAMBLE = struct.Struct("<8sQI")
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+KINDS = ("offsets", "token", "rollout")
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per-row trailing shape
+    offset: int  # byte offset of the block in the file (4 KiB aligned)
+    nbytes: int  # payload bytes (before padding)
+    page_crcs: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    n: int
+    page_size: int
+    blocks: dict[str, BlockInfo]
+    file_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "n": self.n,
+            "page_size": self.page_size,
+            "file_bytes": self.file_bytes,
+            "fields": [
+                {"name": b.name, "kind": b.kind, "dtype": DTYPE_NAMES[b.dtype], "shape": list(b.shape),
+                 "offset": b.offset, "nbytes": b.nbytes, "page_crcs": list(b.page_crcs)}
+                for b in self.blocks.values()
+            ],
+        }
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def page_crcs(data: memoryview, page_size: int) -> list[int]:
+    return [zlib.crc32(data[i : i + page_size]) for i in range(0, len(data), page_size)] or [zlib.crc32(b"")]
+
+
+def plan_shard(
+    offsets: torch.Tensor,
+    token: dict[str, torch.Tensor],
+    rollout: dict[str, torch.Tensor],
+    page_size: int = PAGE_SIZE,
+) -> tuple[ShardHeader, list[tuple[int, memoryview]], bytes]:
+    """Lay a shard out: (header, [(file offset, bytes)] for every block, preamble + header bytes).
+
+    The caller writes the pieces (in any order, in parallel if it likes)."""
+    n = offsets.numel() - 1
+    pieces: list[tuple[str, str, torch.Tensor]] = [("offsets", "offsets", offsets.to(torch.int64))]
+    pieces += [(name, "token", t) for name, t in token.items()]
+    pieces += [(name, "rollout", t) for name, t in rollout.items()]
+    datas = [(name, kind, t, _as_bytes(t)) for name, kind, t in pieces]
+    # The header's size depends on the block offsets, which depend on the header's size: two passes
+    # with a generous estimate of the header settle it.
+    crcs = {name: page_crcs(data, page_size) for name, _, _, data in datas}
+    header_room = ALIGN
+    while True:
+        cursor = align_up(_PREAMBLE.size + header_room)
+        blocks = {}
+        for name, kind, t, data in datas:
+            blocks[name] = BlockInfo(name, kind, t.dtype, tuple(t.shape[1:]), cursor, len(data), tuple(crcs[name]))
+            cursor = align_up(cursor + len(data))
+        header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=max(cursor, ALIGN))
+        text = json.dumps(header.to_json(), separators=(",", ":")).encode()
+        if _PREAMBLE.size + len(text) <= align_up(_PREAMBLE.size + header_room):
+            break
+        header_room = len(text) + ALIGN
+    head = _PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
+    writes = [(blocks[name].offset, data) for name, _, _, data in datas]
+    return header, writes, head
+
+
+def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
+    """Validate and decode the preamble + header. `head` must hold at least the whole header."""
+    if len(head) < _PREAMBLE.size:
+        raise StorageError("shard file is truncated: no header")
+    magic, length, crc = _PREAMBLE.unpack_from(head)
+    if magic != MAGIC:
+        raise StorageError(f"not a torchreplay shard (magic {magic!r})")
+    if length > MAX_HEADER_BYTES or _PREAMBLE.size + length > len(head):
+        raise StorageError(f"shard header length {length} exceeds what was read ({len(head)} bytes)")
+    text = head[_PREAMBLE.size : _PREAMBLE.size + length]
+    if zlib.crc32(text) != crc:
+        raise StorageError("shard header checksum mismatch")
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise StorageError(f"shard header is not valid JSON: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise StorageError(f"unsupported shard format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}")
+    n, page_size = meta.get("n"), meta.get("page_size")
+    if not isinstance(n, int) or n < 0 or not isinstance(page_size, int) or page_size <= 0 or page_size % ALIGN:
+        raise StorageError(f"shard header has invalid n={n!r} or page_size={page_size!r}")
+    if meta.get("file_bytes") != file_bytes:
+        raise StorageError(f"shard file is {file_bytes} bytes, header says {meta.get('file_bytes')!r}")
+    blocks: dict[str, BlockInfo] = {}
+    for f in meta.get("fields", []):
+        try:
+            name, kind, dtype = str(f["name"]), f["kind"], DTYPES[f["dtype"]]
+            shape = tuple(int(d) for d in f["shape"])
+            offset, nbytes, crcs = int(f["offset"]), int(f["nbytes"]), tuple(int(c) for c in f["page_crcs"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StorageError(f"shard header field entry is malformed: {f!r}") from exc
+        if kind not in KINDS or any(d < 0 for d in shape) or offset % ALIGN or offset < ALIGN:
+            raise StorageError(f"shard field {name!r}: invalid kind/shape/offset")
+        if offset + nbytes > file_bytes:
+            raise StorageError(f"shard field {name!r}: block [{offset}, {offset + nbytes}) runs past the file end")
+        if len(crcs) != max(1, -(-nbytes // page_size)):
+            raise StorageError(f"shard field {name!r}: {len(crcs)} page checksums for {nbytes} bytes")
+        blocks[name] = BlockInfo(name, kind, dtype, shape, offset, nbytes, crcs)
+    if "offsets" not in blocks or blocks["offsets"].nbytes != 8 * (n + 1):
+        raise StorageError("shard has no valid offsets block")
+    header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=file_bytes)
+    for b in blocks.values():
+        rows = b.nbytes // b.row_bytes if b.row_bytes else 0
+        if b.row_bytes and b.nbytes % b.row_bytes:
+            raise StorageError(f"shard field {b.name!r}: {b.nbytes} bytes is not a whole number of rows")
+        if b.kind == "rollout" and rows != n:
+            raise StorageError(f"shard field {b.name!r}: {rows} rows for {n} rollouts")
+    return header
+
+
+def decode(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes -> tensor of rows with trailing `shape` (copying, so the result owns its memory)."""
+    raw = np.frombuffer(data, dtype=np.uint8).copy()
+    if dtype == torch.bfloat16:
+        t = torch.from_numpy(raw).view(torch.int16).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(raw).view(dtype)
+    return t.reshape(-1, *shape)
+
+
+def validate_offsets(offsets: torch.Tensor, header: ShardHeader) -> None:
+    if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+        raise StorageError("shard offsets are not monotone from 0")
+    total = int(offsets[-1])
+    for b in header.blocks.values():
+        if b.kind == "token" and b.row_bytes and b.nbytes // b.row_bytes != total:
+            raise StorageError(f"shard field {b.name!r} has {b.nbytes // b.row_bytes} token rows, offsets say {total}")

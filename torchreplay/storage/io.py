@@ -1,0 +1,255 @@
+"""I/O back ends behind one interface: POSIX (thread pool, pread/pwrite, optional O_DIRECT) and
+kvikio (cuFile; GPUDirect Storage or kvikio's compatibility mode) where a CUDA driver exists.
+
+Both read and write the same 4 KiB-aligned shard files (see format.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, Sequence
+
+from torchreplay.errors import StorageError
+from torchreplay.storage.format import ALIGN, align_up
+
+log = logging.getLogger("torchreplay.storage")
+
+# Large requests are split so several threads (and NVMe queues) work on one shard at a time.
+TASK_BYTES = 4 * 1024 * 1024
+
+
+def storage_error(exc: OSError, what: str, path: str) -> StorageError:
+    reason = {
+        errno.ENOSPC: "disk full",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ENOENT: "file vanished",
+        errno.EROFS: "read-only file system",
+        errno.EIO: "I/O error",
+    }.get(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc))
+    return StorageError(f"{what} {path}: {reason} ({exc})")
+
+
+class IOBackend(Protocol):
+    name: str
+
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+        """Write `pieces` (file offset, bytes) to a new file of `file_bytes`, atomically: the file
+        appears under `path` complete, or not at all."""
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Read (offset, nbytes) ranges, 4 KiB aligned, in parallel."""
+
+    def close(self) -> None: ...
+
+
+def _split(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    return [(o, min(TASK_BYTES, offset + nbytes - o)) for o in range(offset, offset + nbytes, TASK_BYTES)] or [
+        (offset, 0)
+    ]
+
+
+class PosixIO:
+    """pread/pwrite on a thread pool. `direct=True` opens with O_DIRECT and stages through
+    page-aligned buffers (not every file system allows it: tmpfs does not)."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 4, direct: bool = False) -> None:
+        if direct and not hasattr(os, "O_DIRECT"):
+            raise ValueError("direct=True needs O_DIRECT, which this platform lacks")
+        self.direct = direct
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-io")
+
+    def _flags(self, base: int) -> int:
+        return base | (os.O_DIRECT if self.direct else 0)
+
+    def _pwrite_all(self, fd: int, data: memoryview | bytes, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        if self.direct:
+            # O_DIRECT needs aligned memory and sizes; the tail is zero-padded to the block's 4 KiB padding.
+            staged = mmap.mmap(-1, align_up(len(view)) or ALIGN)
+            staged[: len(view)] = view
+            view = memoryview(staged)[: align_up(len(view))]
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            fd = os.open(tmp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0o644)
+        except OSError as exc:
+            raise storage_error(exc, "cannot create shard", tmp) from exc
+        try:
+            tasks = []
+            for offset, data in pieces:
+                view = memoryview(data).cast("B")
+                for o, n in _split(offset, len(view)):
+                    tasks.append(self.pool.submit(self._pwrite_all, fd, view[o - offset : o - offset + n], o))
+            for t in tasks:
+                t.result()
+            os.ftruncate(fd, file_bytes)
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise storage_error(exc, "cannot write shard", path) from exc
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise storage_error(exc, "cannot publish shard", path) from exc
+
+    def _pread(self, fd: int, offset: int, nbytes: int) -> memoryview:
+        if self.direct:
+            buf = mmap.mmap(-1, align_up(nbytes) or ALIGN)
+            got = os.preadv(fd, [buf], offset)
+            return memoryview(buf)[: min(got, nbytes)]
+        chunks = []
+        done = 0
+        while done < nbytes:
+            chunk = os.pread(fd, nbytes - done, offset + done)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            done += len(chunk)
+        return memoryview(b"".join(chunks) if len(chunks) != 1 else chunks[0])
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        try:
+            fd = os.open(path, self._flags(os.O_RDONLY))
+        except OSError as exc:
+            raise storage_error(exc, "cannot open shard", path) from exc
+        try:
+            futures = [[self.pool.submit(self._pread, fd, o, n) for o, n in _split(off, nbytes)] for off, nbytes in ranges]
+            out = []
+            for (off, nbytes), parts in zip(ranges, futures):
+                data = [p.result() for p in parts]
+                view = data[0] if len(data) == 1 else memoryview(b"".join(data))
+                if len(view) != nbytes:
+                    raise StorageError(f"short read from {path}: {len(view)} of {nbytes} bytes at {off} (truncated file?)")
+                out.append(view)
+            return out
+        except OSError as exc:
+            raise storage_error(exc, "cannot read shard", path) from exc
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class KvikioIO:
+    """cuFile reads and writes through kvikio: GPUDirect Storage where the platform has it, kvikio's
+    compatibility mode otherwise. Needs a CUDA driver (libcuda.so.1) even in compatibility mode."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 4) -> None:
+        import kvikio  # noqa: F401  (ImportError/OSError tell the caller kvikio is unusable here)
+
+        self._kvikio = kvikio
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-kvikio")
+        self._posix = PosixIO(threads=threads)
+
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+        import numpy as np
+
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with self._kvikio.CuFile(tmp, "w") as f:
+                futures = [f.pwrite(np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8), file_offset=o)
+                           for o, d in pieces if len(memoryview(d).cast("B"))]
+                for fut in futures:
+                    fut.get()
+            os.truncate(tmp, file_bytes)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise storage_error(exc, "cannot write shard", path) from exc
+        except RuntimeError as exc:  # kvikio reports cuFile failures as RuntimeError
+            _unlink_quietly(tmp)
+            raise StorageError(f"kvikio cannot write shard {path}: {exc}") from exc
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        import numpy as np
+
+        if not os.path.exists(path):
+            raise StorageError(f"cannot open shard {path}: file vanished")
+        out = []
+        try:
+            with self._kvikio.CuFile(path, "r") as f:
+                bufs = [np.empty(n, dtype=np.uint8) for _, n in ranges]
+                futures = [f.pread(b, file_offset=o) for b, (o, _) in zip(bufs, ranges)]
+                for b, fut, (o, n) in zip(bufs, futures, ranges):
+                    got = fut.get()
+                    if got != n:
+                        raise StorageError(f"short read from {path}: {got} of {n} bytes at {o}")
+                    out.append(memoryview(b))
+        except RuntimeError as exc:
+            raise StorageError(f"kvikio cannot read shard {path}: {exc}") from exc
+        return out
+
+    def read_to_device(self, path: str, offset: int, nbytes: int, out) -> None:
+        """Read straight into device memory (a CUDA tensor or any __cuda_array_interface__ buffer)."""
+        with self._kvikio.CuFile(path, "r") as f:
+            got = f.pread(out, size=nbytes, file_offset=offset).get()
+        if got != nbytes:
+            raise StorageError(f"short read from {path}: {got} of {nbytes} bytes at {offset}")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self._posix.close()
+
+
+def cuda_driver_present() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def make_io(kind: str, threads: int = 4, direct: bool = False) -> IOBackend:
+    """`kind` is "auto", "kvikio" or "posix". "auto" takes kvikio when a CUDA driver and kvikio are
+    present, POSIX otherwise, and logs its choice."""
+    if kind not in ("auto", "kvikio", "posix"):
+        raise ValueError(f"io must be 'auto', 'kvikio' or 'posix', got {kind!r}")
+    if kind == "posix":
+        return PosixIO(threads=threads, direct=direct)
+    if kind == "kvikio":
+        if not cuda_driver_present():
+            raise StorageError("io='kvikio' needs a CUDA driver (libcuda.so.1), and none was found")
+        try:
+            return KvikioIO(threads=threads)
+        except (ImportError, OSError) as exc:
+            raise StorageError(f"io='kvikio' but kvikio cannot be loaded: {exc}") from exc
+    if cuda_driver_present():
+        try:
+            backend: IOBackend = KvikioIO(threads=threads)
+            log.info("torchreplay storage: io=auto chose kvikio (CUDA driver present)")
+            return backend
+        except (ImportError, OSError) as exc:
+            log.info("torchreplay storage: io=auto: kvikio unavailable (%s), using POSIX", exc)
+    else:
+        log.info("torchreplay storage: io=auto chose POSIX (no CUDA driver)")
+    return PosixIO(threads=threads, direct=direct)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

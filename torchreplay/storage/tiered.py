@@ -1,0 +1,451 @@
+"""Tiered rollout storage: a hot tier in (pinned) host RAM under a byte budget, write-through to
+shard files on local NVMe, and page-in of just the rows and fields a batch needs.
+
+The storage layer knows nothing of priorities; it stores shards of packed rollouts, addressed by
+(shard id, row). Threads: the trainer thread owns every shard's bookkeeping; the spill thread only
+writes immutable shard bytes and completes a future; prefetch threads only read. `_lock` guards
+pin counts and deferred deletions, the one state those threads share (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+import os
+import threading
+import zlib
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+from torchreplay.errors import StorageError
+from torchreplay.schema import PackedBatch
+from torchreplay.storage import format as fmt
+from torchreplay.storage.io import IOBackend, make_io, storage_error
+
+log = logging.getLogger("torchreplay.storage")
+
+
+class CorruptRows(StorageError):
+    """Rows of a shard could not be read back intact (checksum mismatch, vanished or truncated file)."""
+
+    def __init__(self, shard_id: int, rows: list[int], reason: str) -> None:
+        super().__init__(f"shard {shard_id}: {len(rows)} rollout(s) unreadable: {reason}")
+        self.shard_id = shard_id
+        self.rows = rows
+        self.reason = reason
+
+
+# ------------------------------------------------------------------------------- hot policies
+class HotPolicy(Protocol):
+    """Decides which hot copies to drop first when the hot tier is over budget."""
+
+    def added(self, shard_id: int) -> None: ...
+
+    def touched(self, shard_id: int) -> None: ...
+
+    def removed(self, shard_id: int) -> None: ...
+
+    def drop_order(self) -> Iterable[int]: ...
+
+
+class LRUPolicy:
+    """Drop the least recently sampled (or added) shard first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def added(self, shard_id: int) -> None:
+        self._order[shard_id] = None
+
+    def touched(self, shard_id: int) -> None:
+        if shard_id in self._order:
+            self._order.move_to_end(shard_id)
+
+    def removed(self, shard_id: int) -> None:
+        self._order.pop(shard_id, None)
+
+    def drop_order(self) -> Iterable[int]:
+        return list(self._order)
+
+
+class NewestFirstPolicy(LRUPolicy):
+    """Keep the most recently added shards hot, whatever was sampled: fresh data is what an
+    on-policy-leaning sampler reads most."""
+
+    def touched(self, shard_id: int) -> None:
+        pass
+
+
+POLICIES = {"lru": LRUPolicy, "newest": NewestFirstPolicy}
+
+
+# ------------------------------------------------------------------------------------ shards
+@dataclass
+class _Shard:
+    id: int
+    n: int
+    offsets: torch.Tensor
+    rollout: dict[str, torch.Tensor]
+    token: dict[str, torch.Tensor] | None  # hot copy; None once dropped
+    token_bytes: int
+    live_rows: int
+    path: str | None = None
+    header: fmt.ShardHeader | None = None
+    write: Future | None = None
+    pins: int = 0
+    dead: bool = False
+    token_fields: tuple[str, ...] = field(default_factory=tuple)
+
+    def batch(self) -> PackedBatch:
+        assert self.token is not None
+        return PackedBatch(n=self.n, offsets=self.offsets, token=self.token, rollout=self.rollout)
+
+
+class TieredStorage:
+    """Where rollout bytes live.
+
+    Args:
+        hot_bytes: budget for hot token data in host RAM (bytes); None = unbounded (hot-only).
+        spill_dir: directory for shard files; None = no cold tier (everything stays hot).
+        device_bytes: VRAM budget for a device tier; needs CUDA (0 = none).
+        io: "auto", "kvikio" or "posix".
+        policy: "lru" or "newest" (or a HotPolicy), what stays hot.
+        compact_below: a shard whose live fraction falls below this is rewritten by the buffer.
+        direct: open shard files with O_DIRECT (POSIX back end).
+        io_threads: threads doing pread/pwrite.
+        pin_memory: pin hot copies (default: when CUDA is available).
+    """
+
+    def __init__(
+        self,
+        hot_bytes: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+        device_bytes: int = 0,
+        io: str = "auto",
+        policy: str | HotPolicy = "lru",
+        compact_below: float = 0.25,
+        direct: bool = False,
+        io_threads: int = 4,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if hot_bytes is not None and (isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0):
+            raise ValueError(f"hot_bytes must be None or an int >= 0, got {hot_bytes!r}")
+        if hot_bytes is not None and spill_dir is None:
+            raise ValueError("hot_bytes needs spill_dir: without a cold tier nothing can leave RAM")
+        if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0:
+            raise ValueError(f"device_bytes must be an int >= 0, got {device_bytes!r}")
+        if device_bytes and not torch.cuda.is_available():
+            raise ValueError("device_bytes > 0 needs a CUDA device, and none is available")
+        if not 0 <= compact_below < 1:
+            raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(f"policy must be one of {sorted(POLICIES)} or a HotPolicy, got {policy!r}")
+            policy = POLICIES[policy]()
+        self.hot_budget = math.inf if hot_bytes is None else hot_bytes
+        self.device_bytes = device_bytes
+        self.policy = policy
+        self.compact_below = compact_below
+        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
+        self.io: IOBackend | None = None
+        if self.spill_dir is not None:
+            try:
+                os.makedirs(self.spill_dir, exist_ok=True)
+            except OSError as exc:
+                raise storage_error(exc, "cannot create spill_dir", self.spill_dir) from exc
+            if not os.access(self.spill_dir, os.W_OK | os.X_OK):
+                raise StorageError(f"spill_dir {self.spill_dir}: permission denied")
+            self.io = make_io(io, threads=io_threads, direct=direct)
+            self._spill = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-spill")
+        self.io_name = self.io.name if self.io else "none"
+        self._shards: dict[int, _Shard] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._hot_bytes = 0
+        self._background_error: BaseException | None = None
+        self._pending_deletes: list[_Shard] = []
+        self.optional_fields: set[str] = set()
+        self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "spilled_shards": 0,
+                         "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
+                         "compactions": 0}
+
+    # ------------------------------------------------------------------------------- lifecycle
+    @property
+    def tiered(self) -> bool:
+        return self.io is not None
+
+    def check(self) -> None:
+        """Raise a background (spill) failure on the caller's thread, once."""
+        self._poll()
+        if self._background_error is not None:
+            err, self._background_error = self._background_error, None
+            raise err if isinstance(err, StorageError) else StorageError(f"background spill failed: {err}") from err
+
+    def flush(self) -> None:
+        """Wait until every sealed shard is on disk, then surface any spill failure."""
+        if self.io is not None:
+            self._spill.submit(lambda: None).result()  # the spill thread runs writes in order
+        self.check()
+
+    def close(self) -> None:
+        if self.io is not None:
+            self._spill.shutdown(wait=True)
+            self._poll()
+            self.io.close()
+
+    # ---------------------------------------------------------------------------------- writes
+    def put(self, batch: PackedBatch) -> int:
+        """Store a batch as a new sealed shard; returns its id. Hot first, written through if tiered."""
+        self.check()
+        token = batch.token
+        if self.pin:
+            token = {k: v.pin_memory() for k, v in token.items()}
+        token_bytes = sum(t.numel() * t.element_size() for t in token.values())
+        shard = _Shard(id=next(self._ids), n=batch.n, offsets=batch.offsets, rollout=dict(batch.rollout),
+                       token=token, token_bytes=token_bytes, live_rows=batch.n, token_fields=tuple(token))
+        self._shards[shard.id] = shard
+        self._hot_bytes += token_bytes
+        self.policy.added(shard.id)
+        self.optional_fields.update(token, batch.rollout)
+        if self.io is not None:
+            shard.path = os.path.join(self.spill_dir, f"shard-{shard.id:010d}.trs")
+            header, writes, head = fmt.plan_shard(batch.offsets, token, batch.rollout)
+            shard.header = header
+            shard.write = self._spill.submit(self._write, shard.path, [(0, head), *writes], header.file_bytes)
+            self._enforce_budget()
+        return shard.id
+
+    def _write(self, path: str, pieces, file_bytes: int) -> None:
+        self.io.write_file(path, pieces, file_bytes)
+
+    def _poll(self) -> None:
+        """Settle finished spills (trainer thread)."""
+        for shard in list(self._shards.values()) + self._pending_deletes:
+            fut = shard.write
+            if fut is None or not fut.done():
+                continue
+            shard.write = None
+            exc = fut.exception()
+            if exc is not None:
+                # The hot copy stays (no accepted data is lost); the shard is simply not cold-capable.
+                shard.path = None
+                if self._background_error is None:
+                    self._background_error = exc
+                log.error("torchreplay: spilling shard %d failed: %s", shard.id, exc)
+            else:
+                self.counters["spilled_shards"] += 1
+                self.counters["spilled_bytes"] += shard.header.file_bytes
+        self._flush_deletes()
+
+    def _enforce_budget(self) -> None:
+        self._poll()
+        if self._hot_bytes <= self.hot_budget:
+            return
+        for shard_id in self.policy.drop_order():
+            if self._hot_bytes <= self.hot_budget:
+                return
+            shard = self._shards.get(shard_id)
+            if shard is None or shard.token is None or shard.path is None:
+                continue
+            if shard.write is not None:
+                # Backpressure: a hot copy may only go once its bytes are on disk.
+                try:
+                    shard.write.result()
+                except Exception:  # noqa: BLE001 - surfaced through _poll/check
+                    pass
+                self._poll()
+                if shard.path is None:
+                    continue
+            self._drop_hot(shard)
+
+    def _drop_hot(self, shard: _Shard) -> None:
+        # Write-through means the file already has every byte: dropping is free.
+        with self._lock:
+            shard.token = None
+        self._hot_bytes -= shard.token_bytes
+        self.counters["dropped_hot"] += 1
+
+    # ---------------------------------------------------------------------------------- deaths
+    def release(self, shard_id: int, rows: int = 1) -> None:
+        """`rows` rollouts of the shard died. The shard goes when none is left."""
+        shard = self._shards[shard_id]
+        shard.live_rows -= rows
+        if shard.live_rows > 0:
+            return
+        del self._shards[shard_id]
+        self.policy.removed(shard_id)
+        if shard.token is not None:
+            self._hot_bytes -= shard.token_bytes
+        with self._lock:
+            shard.dead = True
+            self._pending_deletes.append(shard)
+        self._flush_deletes()
+
+    def _flush_deletes(self) -> None:
+        with self._lock:
+            ready = [s for s in self._pending_deletes if s.pins == 0 and s.write is None]
+            self._pending_deletes = [s for s in self._pending_deletes if s not in ready]
+        for shard in ready:
+            shard.token = None
+            if shard.path is not None:
+                try:
+                    os.unlink(shard.path)
+                    self.counters["deleted_shards"] += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("torchreplay: cannot delete shard file %s: %s", shard.path, exc)
+
+    def live_fraction(self, shard_id: int) -> float:
+        shard = self._shards[shard_id]
+        return shard.live_rows / shard.n
+
+    def compaction_candidates(self) -> list[int]:
+        if self.compact_below <= 0:
+            return []
+        return [s.id for s in self._shards.values() if s.n >= 16 and s.live_rows / s.n < self.compact_below]
+
+    # ----------------------------------------------------------------------------------- reads
+    def pin_shards(self, shard_ids: Iterable[int]) -> None:
+        with self._lock:
+            for sid in shard_ids:
+                self._shards[sid].pins += 1
+
+    def unpin_shards(self, shards: Iterable[_Shard]) -> None:
+        with self._lock:
+            for shard in shards:
+                shard.pins -= 1
+
+    def shard(self, shard_id: int) -> _Shard:
+        return self._shards[shard_id]
+
+    def fetch(self, shard: _Shard, rows: torch.Tensor, fields: Iterable[str]) -> tuple[PackedBatch, torch.Tensor]:
+        """The requested token `fields` and every rollout field for `rows` of a (pinned) shard.
+
+        Returns (batch, index) with batch row `index[k]` holding requested row `rows[k]`. Hot
+        shards return themselves (no copy); cold shards read only the pages covering those rows.
+        Safe to call from a prefetch thread while the shard is pinned."""
+        with self._lock:
+            token = shard.token
+        if token is not None:
+            self.counters["hot_hits"] += 1
+            self.policy.touched(shard.id)
+            return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout), rows
+        return self._read_cold(shard, rows, [f for f in fields if f in shard.token_fields])
+
+    def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
+        unique, index = torch.unique(rows, return_inverse=True)
+        starts = shard.offsets[unique]
+        ends = shard.offsets[unique + 1]
+        lengths = ends - starts
+        header = shard.header
+        page = header.page_size
+        out_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=out_offsets[1:])
+        ranges: list[tuple[int, int]] = []
+        plans = []
+        for name in fields:
+            block = header.blocks[name]
+            rb = block.row_bytes
+            first_page = (starts * rb) // page
+            last_page = torch.clamp((ends * rb - 1) // page, min=first_page)
+            # Coalesce overlapping / adjacent page runs into one read each.
+            runs: list[list[int]] = []
+            for a, b in zip(first_page.tolist(), last_page.tolist()):
+                if runs and a <= runs[-1][1] + 1:
+                    runs[-1][1] = max(runs[-1][1], b)
+                else:
+                    runs.append([a, b])
+            first_range = len(ranges)
+            for a, b in runs:
+                begin = block.offset + a * page
+                end = min(block.offset + (b + 1) * page, fmt.align_up(block.offset + block.nbytes))
+                ranges.append((begin, end - begin))
+            plans.append((name, block, runs, first_range))
+        try:
+            datas = self.io.read_ranges(shard.path, ranges) if ranges else []
+        except StorageError as exc:
+            # A vanished or truncated file takes every rollout in it.
+            raise CorruptRows(shard.id, list(range(shard.n)), str(exc)) from exc
+        self.counters["cold_reads"] += 1
+        self.counters["cold_bytes_read"] += sum(n for _, n in ranges)
+        token: dict[str, torch.Tensor] = {}
+        for name, block, runs, first_range in plans:
+            rb = block.row_bytes
+            bad_rows: list[int] = []
+            pieces = []
+            run_data = {}
+            for i, (a, b) in enumerate(runs):
+                data = datas[first_range + i]
+                for p in range(a, b + 1):
+                    begin = (p - a) * page
+                    size = min(page, block.nbytes - p * page)
+                    if zlib.crc32(data[begin : begin + size]) != block.page_crcs[p]:
+                        # Every requested row touching this page is suspect.
+                        lo, hi = p * page // rb if rb else 0, ((p + 1) * page + rb - 1) // rb if rb else 0
+                        hit = ((starts < hi) & (ends > lo)).nonzero().flatten()
+                        bad_rows.extend(unique[hit].tolist())
+                run_data[a] = data
+            if bad_rows:
+                # One bad page rarely travels alone: verify the whole shard once, so every affected
+                # rollout goes now rather than one failed batch at a time.
+                raise CorruptRows(shard.id, self._scan_bad_rows(shard), f"checksum mismatch in field {name!r}")
+            run_starts = [a * page for a, _ in runs]
+            for s, e in zip(starts.tolist(), ends.tolist()):
+                byte_begin, byte_end = s * rb, e * rb
+                a = runs[bisect.bisect_right(run_starts, byte_begin) - 1][0]
+                data = run_data[a]
+                pieces.append(data[byte_begin - a * page : byte_end - a * page])
+            token[name] = fmt.decode(b"".join(pieces), block.dtype, block.shape)
+        batch = PackedBatch(n=unique.numel(), offsets=out_offsets, token=token,
+                            rollout={k: v[unique] for k, v in shard.rollout.items()})
+        return batch, index
+
+    def _scan_bad_rows(self, shard: _Shard) -> list[int]:
+        header = shard.header
+        page = header.page_size
+        bad: set[int] = set()
+        blocks = [header.blocks[name] for name in shard.token_fields]
+        try:
+            datas = self.io.read_ranges(shard.path, [(b.offset, fmt.align_up(b.nbytes)) for b in blocks])
+        except StorageError:
+            return list(range(shard.n))
+        starts, ends = shard.offsets[:-1], shard.offsets[1:]
+        for block, data in zip(blocks, datas):
+            rb = block.row_bytes or 1
+            for p, crc in enumerate(block.page_crcs):
+                if zlib.crc32(data[p * page : min((p + 1) * page, block.nbytes)]) != crc:
+                    lo, hi = p * page // rb, ((p + 1) * page + rb - 1) // rb
+                    bad.update(((starts < hi) & (ends > lo)).nonzero().flatten().tolist())
+        return sorted(bad)
+
+    def read_shard(self, shard_id: int) -> PackedBatch:
+        """The whole shard (hot copy, or every block read back and verified)."""
+        shard = self._shards[shard_id]
+        if shard.token is not None:
+            return shard.batch()
+        all_rows = torch.arange(shard.n)
+        batch, _ = self._read_cold(shard, all_rows, list(shard.token_fields))
+        return batch
+
+    # --------------------------------------------------------------------------------- metrics
+    @property
+    def hot_bytes(self) -> int:
+        return self._hot_bytes
+
+    def total_bytes(self) -> int:
+        return sum(s.token_bytes + s.offsets.numel() * 8 + sum(t.numel() * t.element_size() for t in s.rollout.values())
+                   for s in self._shards.values())
+
+    def metrics(self) -> dict[str, float]:
+        hot = sum(1 for s in self._shards.values() if s.token is not None)
+        return {"storage_hot_bytes": self._hot_bytes, "storage_shards": len(self._shards), "storage_hot_shards": hot,
+                "storage_cold_shards": len(self._shards) - hot,
+                **{f"storage_{k}": v for k, v in self.counters.items()}}
