@@ -6,7 +6,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
@@ -16,6 +16,9 @@ from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
 from torchreplay.storage import CorruptRows, TieredStorage
+
+if TYPE_CHECKING:
+    from torchreplay.checkpoint import Checkpointer
 
 # Per-rollout fields the slot table holds for samplers and metrics; everything else lives in chunks.
 _TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
@@ -147,6 +150,9 @@ class RolloutBuffer:
             Replay), in the narrowest integer dtype that holds the expert ids.
         extra_fields: user-declared fields, name -> FieldSpec.
         storage: where rollout bytes live (default: hot-only, in host RAM). See TieredStorage.
+        checkpoint: a Checkpointer: shards and manifests go to object storage in the background.
+        seed: seeds the buffer's own generator, used when `sample`/`compose` get none (its state
+            is part of state_dict and checkpoints).
         on_corrupt: when stored rollouts cannot be read back intact (checksum mismatch, vanished
             file), they are evicted and counted (`evicted_corrupt`) and never returned; then
             "raise" raises StorageError from that `sample` call, "skip" redraws the batch.
@@ -166,6 +172,8 @@ class RolloutBuffer:
         extra_fields: Mapping[str, FieldSpec] | None = None,
         storage: TieredStorage | None = None,
         on_corrupt: str = "raise",
+        checkpoint: "Checkpointer | None" = None,
+        seed: int | None = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
@@ -197,6 +205,8 @@ class RolloutBuffer:
         self._table = _SlotTable(capacity)
         self.sampler.bind(self._table)
         self.storage = storage if storage is not None else TieredStorage()
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.on_corrupt = on_corrupt
         self._prefetcher: ThreadPoolExecutor | None = None
         self._next_seq = 0
@@ -208,6 +218,14 @@ class RolloutBuffer:
         self._counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
         self._counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self._last_ess = math.nan
+        self.checkpointer = None
+        if checkpoint is not None:
+            from torchreplay.checkpoint import Checkpointer
+
+            if not isinstance(checkpoint, Checkpointer):
+                raise TypeError(f"checkpoint must be a Checkpointer, got {type(checkpoint).__name__}")
+            self.checkpointer = checkpoint
+            checkpoint.attach(self)
 
     # ------------------------------------------------------------------------------------ adding
     def __len__(self) -> int:
@@ -228,6 +246,7 @@ class RolloutBuffer:
         """
         packed = validate_batch(batch, self.fields)
         self._check_admissible(packed)
+        self._tick()
         return self._store(packed)
 
     def _check_admissible(self, packed: PackedBatch) -> None:
@@ -254,7 +273,7 @@ class RolloutBuffer:
         slots = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
         t = self._table
         # Table-held per-rollout fields are not kept twice.
-        chunk_id = self.storage.put(PackedBatch(
+        chunk_id = self._put_shard(PackedBatch(
             n=n, offsets=packed.offsets, token=packed.token,
             rollout={k: v for k, v in packed.rollout.items() if k not in _TABLE_FIELDS},
         ))
@@ -294,7 +313,7 @@ class RolloutBuffer:
         t.count -= slots.numel()
         shard_ids, counts = torch.unique(t.chunk[slots], return_counts=True)
         for shard_id, count in zip(shard_ids.tolist(), counts.tolist()):
-            self.storage.release(shard_id, count)
+            self._release_shard(shard_id, count)
         t.chunk[slots] = -1
         self._free.extend(reversed(slots.tolist()))
         self._counters[f"evicted_{reason}"] += slots.numel()
@@ -316,6 +335,7 @@ class RolloutBuffer:
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         if policy_version < self.version:
             raise ValueError(f"policy_version must not go backwards: {policy_version} < current {self.version}")
+        self._tick()
         self._table.version = policy_version
         evicted = 0
         if self.max_staleness is not None:
@@ -347,10 +367,10 @@ class RolloutBuffer:
             self._evict_corrupt_quietly(exc)
             return
         self.storage.unpin_shards([shard])
-        new_id = self.storage.put(_subset(batch, index))
+        new_id = self._put_shard(_subset(batch, index))
         t.chunk[slots] = new_id
         t.row[slots] = torch.arange(slots.numel())
-        self.storage.release(shard_id, slots.numel())
+        self._release_shard(shard_id, slots.numel())
         self.storage.counters["compactions"] += 1
 
     def _evict_corrupt_quietly(self, exc: CorruptRows) -> None:
@@ -387,7 +407,8 @@ class RolloutBuffer:
         decided now, on the calling thread, so results match `sample` for the same generator.
         Call `.result()` on the returned object from the thread that owns the buffer."""
         self._check_batch_size(batch_size)
-        self.storage.check()
+        self._tick()
+        generator = generator if generator is not None else self.generator
         slots, weights = self.sampler.sample(batch_size, generator)
         plan = self._plan(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
         self._counters["sampled_replay"] += batch_size
@@ -437,7 +458,8 @@ class RolloutBuffer:
             raise ValueError(f"replay_ratio must be a number in [0, 1), got {replay_ratio!r}")
         packed = validate_batch(fresh, self.fields)
         self._check_admissible(packed)
-        self.storage.check()
+        self._tick()
+        generator = generator if generator is not None else self.generator
         replayed = None
         replay_slots = torch.empty(0, dtype=torch.int64)
         n_replay = round(packed.n * replay_ratio / (1 - replay_ratio))
@@ -626,6 +648,10 @@ class RolloutBuffer:
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
+        return {**self._metadata_state(), "chunks": self._chunk_states()}
+
+    def _metadata_state(self) -> dict[str, Any]:
+        """All state except rollout payloads: what a checkpoint snapshots on the trainer thread."""
         t = self._table
         return {
             "format_version": _STATE_VERSION,
@@ -633,7 +659,6 @@ class RolloutBuffer:
             "table": {name: getattr(t, name).clone() for name in _SlotTable.TENSORS},
             "version": t.version,
             "count": t.count,
-            "chunks": self._chunk_states(),
             "next_seq": self._next_seq,
             "free": torch.tensor(self._free, dtype=torch.int64),
             "fifo": torch.tensor(list(self._fifo), dtype=torch.int64).reshape(-1, 2),
@@ -641,24 +666,18 @@ class RolloutBuffer:
                            for v, b in self._by_version.items()},
             "counters": dict(self._counters),
             "last_ess": self._last_ess,
+            "rng": self.generator.get_state(),
             "sampler": self.sampler.state_dict(),
         }
 
-    def _chunk_states(self) -> dict[str, Any]:
+    def _live_shards(self) -> tuple[list[int], list[int]]:
         t = self._table
-        shard_ids, live_rows = torch.unique(t.chunk[t.live], return_counts=True)
-        out = {}
-        for sid, live in zip(shard_ids.tolist(), live_rows.tolist()):
-            b = self.storage.read_shard(sid)
-            out[str(sid)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
-                             "live_rows": live}
-        return out
+        ids, rows = torch.unique(t.chunk[t.live], return_counts=True)
+        return ids.tolist(), rows.tolist()
 
     def _chunk_states(self) -> dict[str, Any]:
-        t = self._table
-        shard_ids, live_rows = torch.unique(t.chunk[t.live], return_counts=True)
         out = {}
-        for sid, live in zip(shard_ids.tolist(), live_rows.tolist()):
+        for sid, live in zip(*self._live_shards()):
             b = self.storage.read_shard(sid)
             out[str(sid)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
                              "live_rows": live}
@@ -670,31 +689,59 @@ class RolloutBuffer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`. Validates before changing anything."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        if not isinstance(state, Mapping) or not isinstance(state.get("chunks"), Mapping):
+            raise TypeError("state must be a mapping from state_dict() (with 'chunks')")
+        sizes = {}
+        for cid, c in state["chunks"].items():
+            offsets = c.get("offsets") if isinstance(c, Mapping) else None
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
+                raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
+            sizes[int(cid)] = offsets.numel() - 1
+
+        def store_chunk(cid: int) -> int:
+            c = state["chunks"][str(cid)]
+            return self._put_shard(PackedBatch(n=sizes[cid], offsets=c["offsets"], token=dict(c["token"]),
+                                               rollout=dict(c["rollout"])))
+
+        self._load(state, sizes, store_chunk)
+
+    def _load(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
+        """Validate `state` against this buffer and the stored chunks' row counts, then adopt it.
+        `store_chunk(old id) -> new shard id` brings one chunk into storage."""
         if state.get("format_version") != _STATE_VERSION:
             raise ValueError(f"state format_version {state.get('format_version')!r} != {_STATE_VERSION}")
         if state.get("config") != self._config():
             raise ValueError(f"state config {state.get('config')} does not match this buffer {self._config()}")
-        table = state["table"]
+        table = state.get("table")
+        if not isinstance(table, Mapping):
+            raise ValueError("state 'table' must be a mapping")
         for name in _SlotTable.TENSORS:
             ref = getattr(self._table, name)
             value = table.get(name)
             if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
                 raise ValueError(f"state table[{name!r}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}")
         live = table["live"]
-        chunk_ids = {int(c) for c in state["chunks"]}
-        if not set(table["chunk"][live].tolist()) <= chunk_ids:
-            raise ValueError("state: a live slot names a chunk that is not in the state")
         if int(live.sum()) != int(state["count"]):
             raise ValueError("state: count disagrees with the live mask")
-        for cid, c in state["chunks"].items():
-            offsets = c.get("offsets") if isinstance(c, Mapping) else None
-            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
-                raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
-            rows_used = table["row"][live & (table["chunk"] == int(cid))]
-            if rows_used.numel() and int(rows_used.max()) >= offsets.numel() - 1:
-                raise ValueError(f"state chunk {cid}: a live slot names a row past the chunk's end")
+        live_chunks = table["chunk"][live]
+        if not set(live_chunks.tolist()) <= set(chunk_rows):
+            raise ValueError("state: a live slot names a chunk that is not stored")
+        for cid, n in chunk_rows.items():
+            rows_used = table["row"][live][live_chunks == cid]
+            if rows_used.numel() and (int(rows_used.min()) < 0 or int(rows_used.max()) >= n):
+                raise ValueError(f"state chunk {cid}: a live slot names a row outside its {n} rows")
+        for name in ("free", "fifo"):
+            value = state.get(name)
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+                raise ValueError(f"state {name!r} must be an int64 tensor")
+        free = state["free"]
+        if free.numel() and (int(free.min()) < 0 or int(free.max()) >= self.capacity or bool(live[free].any())):
+            raise ValueError("state 'free' names a slot outside the buffer or a live one")
+        if free.numel() + int(state["count"]) != self.capacity:
+            raise ValueError("state: free slots + live rollouts != capacity")
+        rng = state.get("rng")
+        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+            raise ValueError("state 'rng' must be a uint8 generator state tensor")
         new_table = _SlotTable(self.capacity)
         for name in _SlotTable.TENSORS:
             setattr(new_table, name, table[name].clone())
@@ -705,23 +752,22 @@ class RolloutBuffer:
         try:
             self.sampler.bind(new_table)
             self.sampler.load_state_dict(state["sampler"])
+            self.generator.set_state(rng)
         except Exception:
             self._table = old_table
             self.sampler.bind(old_table)
             self.sampler.load_state_dict(old_sampler_state)
             raise
-        # Committed: release what the buffer held, then store the loaded chunks under new shard ids.
-        old_ids, old_counts = torch.unique(old_table.chunk[old_table.live], return_counts=True)
-        for sid, count in zip(old_ids.tolist(), old_counts.tolist()):
-            self.storage.release(sid, count)
+        # Committed: release what the buffer held, then store the chunks under new shard ids.
+        for sid, count in zip(*torch.unique(old_table.chunk[old_table.live], return_counts=True)):
+            self._release_shard(int(sid), int(count))
         remap: dict[int, int] = {}
-        for cid, c in state["chunks"].items():
-            batch = PackedBatch(n=c["offsets"].numel() - 1, offsets=c["offsets"], token=dict(c["token"]),
-                                rollout=dict(c["rollout"]))
-            remap[int(cid)] = self.storage.put(batch)
-            dead = batch.n - int(c["live_rows"])
+        live_per_chunk = dict(zip(*(x.tolist() for x in torch.unique(live_chunks, return_counts=True))))
+        for cid in sorted(set(live_chunks.tolist())):
+            remap[cid] = store_chunk(cid)
+            dead = chunk_rows[cid] - live_per_chunk[cid]
             if dead:
-                self.storage.release(remap[int(cid)], dead)
+                self._release_shard(remap[cid], dead)
         live_slots = new_table.live.nonzero().flatten()
         new_table.chunk[live_slots] = torch.tensor([remap[c] for c in new_table.chunk[live_slots].tolist()],
                                                    dtype=torch.int64)
@@ -734,11 +780,76 @@ class RolloutBuffer:
         self._counters = dict(state["counters"])
         self._last_ess = float(state["last_ess"])
 
+    # -------------------------------------------------------------------------------- durability
+    def _put_shard(self, batch: PackedBatch) -> int:
+        sid = self.storage.put(batch)
+        if self.checkpointer is not None:
+            self.checkpointer.shard_sealed(sid)
+        return sid
+
+    def _release_shard(self, shard_id: int, rows: int) -> None:
+        if self.storage.release(shard_id, rows) and self.checkpointer is not None:
+            self.checkpointer.shard_released(shard_id)
+
+    def _tick(self) -> None:
+        """Surface background failures, and publish a manifest when one is due."""
+        self.storage.check()
+        if self.checkpointer is not None:
+            self.checkpointer.check()
+            self.checkpointer.maybe_publish()
+
+    def checkpoint(self, timeout: float | None = None) -> None:
+        """Publish a manifest now and return once it is durable."""
+        if self.checkpointer is None:
+            raise ValueError("this buffer has no checkpointer: pass checkpoint=Checkpointer(uri) to RolloutBuffer")
+        self.checkpointer.publish(wait=True, timeout=timeout)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        sampler: Sampler | None = None,
+        storage: TieredStorage | None = None,
+        checkpoint: "Checkpointer | bool" = False,
+        lazy: bool = False,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> "RolloutBuffer":
+        """Restore a buffer from the last published manifest under `uri`.
+
+        Slots, generations, advantages (priorities are recomputed from them), policy versions,
+        reuse counts, sampler and RNG state come back exactly. Shards are fetched eagerly (with a
+        progress bar) or, with `lazy=True` and a cold tier, in the background as they are needed.
+        `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
+        Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
+        """
+        from torchreplay.checkpoint.restore import restore
+
+        return restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
+                       checkpoint=checkpoint, lazy=lazy, progress=progress, **kwargs)
+
+    def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
+                          reprioritize=None, progress: bool = False) -> Handles:
+        """Seed this buffer with another run's rollouts (read-only: nothing there is changed).
+
+        Policy versions are shifted by `version_offset`; `reprioritize(batch: dict) -> advantages`
+        may replace their advantages (e.g. rescored by the current critic). Returns their handles."""
+        from torchreplay.checkpoint.restore import import_rollouts
+
+        return import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
+                               reprioritize=reprioritize, progress=progress)
+
     def close(self) -> None:
-        """Finish background work (spills, prefetch) and release files and threads."""
+        """Finish background work (spills, prefetch), publish a final checkpoint, release files."""
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
-        self.storage.close()
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self.storage.close()
 
     def __enter__(self) -> "RolloutBuffer":
         return self

@@ -12,12 +12,51 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the replay demo on embedded defaults (CPU, local disk)")
     demo.add_argument("--out", default="demo_output", help="directory for the demo's outputs")
     demo.add_argument("--seed", type=int, default=0)
+    inspect = sub.add_parser("inspect", help="summarize a checkpoint: manifests, rollouts, bytes, ages, priorities")
+    inspect.add_argument("uri", help="s3://bucket/prefix or file:///path")
+    inspect.add_argument("--endpoint-url", default=None)
     args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return inspect_checkpoint(args.uri, args.endpoint_url)
     if args.command == "demo":
         from torchreplay.demo_sampling import run
 
         return run(out=args.out, seed=args.seed)
     return 2
+
+
+def inspect_checkpoint(uri: str, endpoint_url: str | None = None) -> int:
+    import torch
+
+    from torchreplay.checkpoint import open_store, read_manifest
+    from torchreplay.checkpoint.restore import load_state
+    from torchreplay.errors import CheckpointError
+
+    try:
+        store = open_store(uri, endpoint_url)
+        manifests = store.list("manifests")
+        manifest = read_manifest(store)
+        state = load_state(store, manifest)
+        shard_keys = store.list("shards")
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"checkpoint: {uri}")
+    print(f"manifests ({len(manifests)}): " + ", ".join(manifests))
+    print(f"latest: manifests/{manifest['sequence']:012d}.json  policy_version: {manifest['policy_version']}")
+    print(f"rollouts: {manifest['rollouts']}  shards named: {len(manifest['shards'])}  shard objects: {len(shard_keys)}")
+    print(f"state bytes: {manifest['state']['json_bytes'] + manifest['state']['blob_bytes']:,}")
+    table = state["table"]
+    live = table["live"]
+    if int(live.sum()):
+        ages = (state["version"] - table["policy_version"][live]).double()
+        adv = table["advantage"][live].double().abs()
+        reuse = table["reuse"][live].double()
+        for name, values in (("age (policy versions)", ages), ("|advantage|", adv), ("reuse", reuse)):
+            q = torch.quantile(values, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+            print(f"{name:>22}: min {q[0]:.3g}  p50 {q[1]:.3g}  p90 {q[2]:.3g}  max {q[3]:.3g}")
+    print(f"sampler: {state['sampler'].get('type')} {state['sampler'].get('config')}")
+    return 0
 
 
 if __name__ == "__main__":

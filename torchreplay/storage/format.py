@@ -23,6 +23,7 @@ end at the token block's row count.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -211,3 +212,72 @@ def validate_offsets(offsets: torch.Tensor, header: ShardHeader) -> None:
     for b in header.blocks.values():
         if b.kind == "token" and b.row_bytes and b.nbytes // b.row_bytes != total:
             raise StorageError(f"shard field {b.name!r} has {b.nbytes // b.row_bytes} token rows, offsets say {total}")
+
+
+def header_span(head: bytes) -> int:
+    """Bytes needed to hold the preamble and header, from the first 20 bytes."""
+    if len(head) < _PREAMBLE.size:
+        raise StorageError("shard file is truncated: no header")
+    magic, length, _ = _PREAMBLE.unpack_from(head)
+    if magic != MAGIC:
+        raise StorageError(f"not a torchreplay shard (magic {magic!r})")
+    if length > MAX_HEADER_BYTES:
+        raise StorageError(f"shard header length {length} is implausible")
+    return _PREAMBLE.size + length
+
+
+def read_block(data: bytes | memoryview, block: BlockInfo, page_size: int, base: int = 0) -> torch.Tensor:
+    """Decode a whole block from `data` (file bytes starting at file offset `base`), every page verified."""
+    start = block.offset - base
+    view = memoryview(data)[start : start + block.nbytes]
+    if len(view) != block.nbytes:
+        raise StorageError(f"shard field {block.name!r}: truncated block")
+    for p, crc in enumerate(block.page_crcs):
+        if zlib.crc32(view[p * page_size : (p + 1) * page_size]) != crc:
+            raise StorageError(f"shard field {block.name!r}: checksum mismatch in page {p}")
+    return decode(view, block.dtype, block.shape)
+
+
+def parse_shard(data: bytes) -> PackedShard:
+    """A whole shard file in memory -> validated header and every block decoded."""
+    header = parse_header(data[: header_span(data)], len(data))
+    offsets = read_block(data, header.blocks["offsets"], header.page_size).reshape(-1)
+    validate_offsets(offsets, header)
+    token, rollout = {}, {}
+    for b in header.blocks.values():
+        if b.kind == "token":
+            token[b.name] = read_block(data, b, header.page_size)
+        elif b.kind == "rollout":
+            rollout[b.name] = read_block(data, b, header.page_size)
+    return PackedShard(header, offsets, token, rollout)
+
+
+def read_shard_meta(path: str) -> PackedShard:
+    """Header, offsets and per-rollout fields of a shard file; token blocks are left on disk."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(min(size, 1 << 20))
+            span = header_span(head)
+            if span > len(head):
+                f.seek(0)
+                head = f.read(span)
+            header = parse_header(head, size)
+            small = [b for b in header.blocks.values() if b.kind != "token"]
+            parts = {}
+            for b in small:
+                f.seek(b.offset)
+                parts[b.name] = read_block(f.read(b.nbytes), b, header.page_size, base=b.offset)
+    except OSError as exc:
+        raise StorageError(f"cannot read shard {path}: {exc}") from exc
+    offsets = parts.pop("offsets").reshape(-1)
+    validate_offsets(offsets, header)
+    return PackedShard(header, offsets, {}, parts)
+
+
+@dataclass
+class PackedShard:
+    header: ShardHeader
+    offsets: torch.Tensor
+    token: dict[str, torch.Tensor]
+    rollout: dict[str, torch.Tensor]

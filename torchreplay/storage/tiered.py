@@ -222,6 +222,34 @@ class TieredStorage:
             self._enforce_budget()
         return shard.id
 
+    def adopt(self, path: str) -> int:
+        """Register an existing shard file (a restored checkpoint) as a new shard.
+
+        With a cold tier the file is moved into spill_dir and stays cold; hot-only storage reads it
+        whole. Every byte read is verified against the shard's checksums."""
+        self.check()
+        if self.io is None:
+            with open(path, "rb") as f:
+                shard = fmt.parse_shard(f.read())
+            os.unlink(path)
+            return self.put(PackedBatch(n=shard.header.n, offsets=shard.offsets, token=shard.token,
+                                        rollout=shard.rollout))
+        meta = fmt.read_shard_meta(path)
+        sid = next(self._ids)
+        target = os.path.join(self.spill_dir, f"shard-{sid:010d}.trs")
+        try:
+            os.replace(path, target)
+        except OSError as exc:
+            raise StorageError(f"cannot move restored shard {path} into {self.spill_dir}: {exc}") from exc
+        token_fields = tuple(n for n, b in meta.header.blocks.items() if b.kind == "token")
+        shard = _Shard(id=sid, n=meta.header.n, offsets=meta.offsets, rollout=meta.rollout, token=None,
+                       token_bytes=sum(meta.header.blocks[n].nbytes for n in token_fields), live_rows=meta.header.n,
+                       path=target, header=meta.header, token_fields=token_fields)
+        self._shards[sid] = shard
+        self.policy.added(sid)
+        self.optional_fields.update(token_fields, meta.rollout)
+        return sid
+
     def _write(self, path: str, pieces, file_bytes: int) -> None:
         self.io.write_file(path, pieces, file_bytes)
 
@@ -273,12 +301,12 @@ class TieredStorage:
         self.counters["dropped_hot"] += 1
 
     # ---------------------------------------------------------------------------------- deaths
-    def release(self, shard_id: int, rows: int = 1) -> None:
-        """`rows` rollouts of the shard died. The shard goes when none is left."""
+    def release(self, shard_id: int, rows: int = 1) -> bool:
+        """`rows` rollouts of the shard died. The shard goes when none is left (returns True)."""
         shard = self._shards[shard_id]
         shard.live_rows -= rows
         if shard.live_rows > 0:
-            return
+            return False
         del self._shards[shard_id]
         self.policy.removed(shard_id)
         if shard.token is not None:
@@ -287,6 +315,7 @@ class TieredStorage:
             shard.dead = True
             self._pending_deletes.append(shard)
         self._flush_deletes()
+        return True
 
     def _flush_deletes(self) -> None:
         with self._lock:

@@ -1,0 +1,195 @@
+"""Checkpoints: file:// round trips, atomic publish, garbage collection, hostile manifests, reuse."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import torchreplay as tr
+from rollouts import make_batch
+from torchreplay.checkpoint import Checkpointer, read_manifest, open_store
+from torchreplay.storage import TieredStorage
+
+
+def fill(buf, steps=4, n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for v in range(steps):
+        buf.compose(make_batch(n, version=v, seed=seed * 100 + v, group_base=v * 10), replay_ratio=0.5, generator=gen)
+        buf.advance(v + 1)
+
+
+def same_future(a, b, steps=3):
+    for step in range(steps):
+        x = a.compose(make_batch(6, version=10 + step, seed=900 + step), replay_ratio=0.5)
+        y = b.compose(make_batch(6, version=10 + step, seed=900 + step), replay_ratio=0.5)
+        assert torch.equal(x.handles.slot, y.handles.slot) and torch.equal(x.handles.generation, y.handles.generation)
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.weights, y.weights)
+        assert torch.equal(x.reuse, y.reuse) and torch.equal(x.age, y.age)
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_resume_is_exact(tmp_path, tiered):
+    uri = f"file://{tmp_path}/ckpt"
+
+    def storage(name):
+        return TieredStorage(hot_bytes=2000, spill_dir=tmp_path / name, io="posix") if tiered else None
+
+    buf = tr.RolloutBuffer(40, sampler=tr.PrioritizedSampler(alpha=0.6, beta=0.4), max_staleness=3, max_reuse=3,
+                           seed=7, storage=storage("a"), checkpoint=Checkpointer(uri, interval_s=3600))
+    fill(buf)
+    buf.checkpoint()
+    resumed = tr.RolloutBuffer.from_checkpoint(uri, storage=storage("b"), progress=False)
+    assert len(resumed) == len(buf)
+    for name in ("live", "generation", "reuse", "advantage", "policy_version", "seq"):
+        assert torch.equal(getattr(resumed._table, name), getattr(buf._table, name)), name
+    assert torch.equal(resumed.sampler.tree.priorities, buf.sampler.tree.priorities)
+    same_future(buf, resumed)
+    buf.close()
+    resumed.close()
+
+
+def test_manifest_only_names_durable_objects_and_gc(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(24, sampler=tr.UniformSampler(), max_staleness=1,
+                           checkpoint=Checkpointer(uri, interval_s=3600, keep_last=2), seed=1)
+    store = open_store(uri)
+    for v in range(6):
+        buf.add(make_batch(8, version=v, seed=v))
+        buf.advance(v)
+        buf.checkpoint()
+        manifest = read_manifest(store)
+        for entry in manifest["shards"]:
+            assert store.exists(entry["key"])
+        assert manifest["rollouts"] == len(buf)
+    assert len(store.list("manifests")) == 2
+    named = set()
+    for key in store.list("manifests"):
+        named |= {s["key"] for s in json.loads(store.get(key))["shards"]}
+    assert set(store.list("shards")) <= named | {k for k in buf.checkpointer._keys.values()}
+    assert not [p for p in os.listdir(tmp_path / "ckpt" / "shards") if "partial" in p]
+    buf.close()
+
+
+def test_background_publish_by_interval_and_close(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    ckpt = Checkpointer(uri, interval_s=0.05)
+    buf = tr.RolloutBuffer(16, checkpoint=ckpt, seed=0)
+    buf.add(make_batch(4, seed=1))
+    import time
+
+    time.sleep(0.1)
+    buf.add(make_batch(4, seed=2))  # a call after the interval enqueues a manifest
+    buf.close()  # and close publishes the final one
+    assert read_manifest(open_store(uri))["rollouts"] == 8
+    assert len(ckpt.published) >= 2
+
+
+def test_background_failure_surfaces_as_checkpoint_error(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    ckpt = Checkpointer(uri, interval_s=3600, retry_budget_s=0.2)
+    buf = tr.RolloutBuffer(16, checkpoint=ckpt, seed=0)
+    os.chmod(tmp_path / "ckpt" / "shards", 0o555)
+    try:
+        if os.geteuid() == 0:
+            # root ignores permission bits; make the shards room a file so writes into it fail.
+            os.rmdir(tmp_path / "ckpt" / "shards")
+            (tmp_path / "ckpt" / "shards").write_text("not a directory")
+        buf.add(make_batch(4, seed=1))
+        with pytest.raises(tr.CheckpointError, match="gave up"):
+            buf.checkpoint()
+        with pytest.raises(tr.CheckpointError):
+            buf.add(make_batch(4, seed=2))
+    finally:
+        if (tmp_path / "ckpt" / "shards").is_dir():
+            os.chmod(tmp_path / "ckpt" / "shards", 0o755)
+
+
+def write_manifest(store, manifest):
+    store.put("manifests/000000000099.json", json.dumps(manifest).encode())
+    store.put("LATEST", json.dumps({"manifest": "manifests/000000000099.json"}).encode())
+
+
+HOSTILE = [
+    ("version", lambda m: m.update(format_version=99), "format_version"),
+    ("traversal", lambda m: m["shards"][0].update(key="shards/../../etc/passwd.trs"), "key"),
+    ("absolute", lambda m: m["shards"][0].update(key="/etc/passwd"), "key"),
+    ("outside", lambda m: m["shards"][0].update(key="state/x.trs"), "shards/"),
+    ("negative", lambda m: m.update(rollouts=-1), "rollouts"),
+    ("count", lambda m: m.update(rollouts=m["rollouts"] + 5), "live rollouts"),
+    ("state key", lambda m: m["state"].update(blob="../blob"), "confined"),
+    ("huge", lambda m: m["state"].update(blob_bytes=1 << 60), "blob_bytes"),
+    ("repeat", lambda m: m["shards"].append(dict(m["shards"][0])), "repeated"),
+    ("not a list", lambda m: m.update(shards={"a": 1}), "list"),
+]
+
+
+@pytest.mark.parametrize("label, corrupt, match", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_manifest_is_rejected_before_anything_is_opened(tmp_path, label, corrupt, match):
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    buf.add(make_batch(4, seed=1))
+    buf.checkpoint()
+    store = open_store(uri)
+    manifest = read_manifest(store)
+    corrupt(manifest)
+    write_manifest(store, manifest)
+    with pytest.raises(tr.CheckpointError, match=match):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    buf.checkpointer.close(final=False)
+
+
+def test_hostile_state_and_shard_are_rejected(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    buf.add(make_batch(4, seed=1))
+    buf.checkpoint()
+    store = open_store(uri)
+    manifest = read_manifest(store)
+    blob = bytearray(store.get(manifest["state"]["blob"]))
+    blob[10] ^= 0xFF
+    store.put(manifest["state"]["blob"], bytes(blob))
+    with pytest.raises(tr.CheckpointError, match="checksum"):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    buf.checkpoint()  # a fresh, good checkpoint
+    manifest = read_manifest(store)
+    shard_key = manifest["shards"][0]["key"]
+    data = bytearray(store.get(shard_key))
+    from torchreplay.storage import format as fmt
+
+    block = fmt.parse_header(bytes(data[:65536]), len(data)).blocks["tokens"]
+    data[block.offset + block.nbytes // 2] ^= 0xFF
+    store.put(shard_key, bytes(data))
+    with pytest.raises((tr.CheckpointError, tr.StorageError), match="checksum|truncated"):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    buf.checkpointer.close(final=False)
+
+
+def test_cross_run_import_shifts_versions_and_reprioritizes(tmp_path):
+    uri = f"file://{tmp_path}/old"
+    old = tr.RolloutBuffer(32, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    batch = make_batch(10, version=3, seed=5)
+    old.add(batch)
+    old.close()
+    new = tr.RolloutBuffer(32, sampler=tr.UniformSampler(), seed=1)
+    handles = new.import_checkpoint(uri, version_offset=-3, reprioritize=lambda b: b["advantage"] * 0 + 2.0)
+    assert len(handles) == 10 and len(new) == 10
+    assert bool((new._table.policy_version[handles.slot] == 0).all())
+    assert bool((new._table.advantage[handles.slot] == 2.0).all())
+    out = new.sample(10, generator=torch.Generator().manual_seed(0))
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        src = (handles.slot == slot).nonzero()[0, 0]
+        assert torch.equal(out.tokens[k, : batch["tokens"][src].numel()], batch["tokens"][src])
+    assert read_manifest(open_store(uri))["rollouts"] == 10, "the source run is read-only"
+
+
+def test_inspect_cli(tmp_path, capsys):
+    from torchreplay.cli import main
+
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    buf.add(make_batch(6, version=2, seed=1))
+    buf.close()
+    assert main(["inspect", uri]) == 0
+    out = capsys.readouterr().out
+    assert "rollouts: 6" in out and "manifests/" in out and "advantage" in out

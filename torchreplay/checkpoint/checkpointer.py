@@ -1,0 +1,303 @@
+"""Background checkpoints: sealed shards are uploaded as they seal, manifests are published every
+`interval_s`, on `buffer.checkpoint()` and on `close()`.
+
+Layout under the run prefix::
+
+    shards/<session>-<shard id>.trs     shard files (format.py), immutable
+    state/<sequence>.json + .bin        buffer metadata (slot table, sampler, RNG, counters)
+    manifests/<sequence>.json           names the state objects and every shard they need
+    LATEST                              {"manifest": "manifests/<sequence>.json"}, written last
+
+A manifest is written only after every object it names is durable, manifests are immutable, and
+LATEST is replaced last; a reader follows LATEST and so never sees a partial checkpoint. Shards no
+retained manifest names are garbage-collected after each publish.
+
+Threads: the trainer thread only snapshots metadata (clones of the slot table) and enqueues work.
+One worker thread runs the queue in order (so a manifest always follows the uploads of the shards
+it names) and records its first failure, which the trainer sees as CheckpointError on its next call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchreplay.checkpoint import tensorfile
+from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
+from torchreplay.errors import CheckpointError
+from torchreplay.storage import format as fmt
+
+if TYPE_CHECKING:
+    from torchreplay.buffer import RolloutBuffer
+
+log = logging.getLogger("torchreplay.checkpoint")
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class _Upload:
+    shard_id: int
+    key: str
+    source: Any  # a file path (spilled shard) or a PackedBatch (hot-only storage)
+    spill: Any  # the spill's Future, or None
+    shard: Any  # pinned storage shard, unpinned after the upload
+
+
+@dataclass
+class _Publish:
+    sequence: int
+    state: dict[str, Any]
+    shard_keys: dict[int, str]
+    shard_rows: dict[int, int]
+    done: threading.Event
+
+
+class Checkpointer:
+    """Checkpoints a RolloutBuffer to `uri` (s3://bucket/prefix or file:///path).
+
+    Args:
+        uri: where checkpoints go.
+        interval_s: seconds between automatic manifests (checked on buffer calls).
+        keep_last: manifests retained; older ones and shards only they named are deleted.
+        endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
+        retry_budget_s: how long one object may keep failing before the error surfaces.
+    """
+
+    def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
+                 retry_budget_s: float = 60.0) -> None:
+        if not (isinstance(interval_s, (int, float)) and interval_s > 0):
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        self.uri = uri
+        self.store: ObjectStore = open_store(uri, endpoint_url)
+        self.interval_s = float(interval_s)
+        self.keep_last = keep_last
+        self.retry_budget_s = retry_budget_s
+        self.session = uuid.uuid4().hex[:12]
+        self.buffer: RolloutBuffer | None = None
+        self._keys: dict[int, str] = {}  # live shard id -> object key (trainer writes, worker reads)
+        self._keys_lock = threading.Lock()
+        self._durable: set[str] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._last_publish = time.monotonic()
+        self._sequence = self._next_sequence()
+        self._worker = threading.Thread(target=self._run, name="torchreplay-checkpoint", daemon=True)
+        self._worker.start()
+        self.published: list[str] = []
+
+    def _next_sequence(self) -> int:
+        try:
+            existing = self.store.list("manifests")
+        except CheckpointError:
+            return 0
+        seqs = [int(k.split("/")[1].split(".")[0]) for k in existing if k.split("/")[1].split(".")[0].isdigit()]
+        return max(seqs, default=-1) + 1
+
+    # ------------------------------------------------------------------------ trainer thread
+    def attach(self, buffer: "RolloutBuffer", known: dict[int, str] | None = None) -> None:
+        """Bind to a buffer. `known` maps shard ids that are already durable here to their keys."""
+        self.buffer = buffer
+        with self._keys_lock:
+            for sid, key in (known or {}).items():
+                self._keys[sid] = key
+                self._durable.add(key)
+
+    def check(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise CheckpointError(f"background checkpoint failed: {err}") from err
+
+    def shard_sealed(self, shard_id: int) -> None:
+        storage = self.buffer.storage
+        shard = storage.shard(shard_id)
+        key = f"shards/{self.session}-{shard_id:010d}.trs"
+        with self._keys_lock:
+            self._keys[shard_id] = key
+        storage.pin_shards([shard_id])  # its file must outlive the upload even if its rollouts die
+        source = shard.path if shard.path is not None else shard.batch()
+        self._queue.put(_Upload(shard_id, key, source, shard.write, shard))
+
+    def shard_released(self, shard_id: int) -> None:
+        with self._keys_lock:
+            self._keys.pop(shard_id, None)
+
+    def maybe_publish(self) -> None:
+        if time.monotonic() - self._last_publish >= self.interval_s:
+            self.publish(wait=False)
+
+    def publish(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Snapshot the buffer's metadata and publish a manifest; with `wait`, return when durable."""
+        self.check()
+        buffer = self.buffer
+        state = buffer._metadata_state()
+        live_ids, live_rows = buffer._live_shards()
+        with self._keys_lock:
+            keys = {sid: self._keys[sid] for sid in live_ids}
+        job = _Publish(self._sequence, state, keys,
+                       dict(zip(live_ids, live_rows)), threading.Event())
+        self._sequence += 1
+        self._last_publish = time.monotonic()
+        self._queue.put(job)
+        if wait:
+            if not job.done.wait(timeout):
+                raise CheckpointError(f"checkpoint {job.sequence} not durable within {timeout}s")
+            self.check()
+
+    def close(self, final: bool = True) -> None:
+        if final and self.buffer is not None and self._error is None:
+            self.publish(wait=True)
+        self._queue.put(None)
+        self._worker.join()
+        self.check()
+
+    # ------------------------------------------------------------------------- worker thread
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    if isinstance(job, _Upload):
+                        self._upload(job)
+                    else:
+                        self._publish(job)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
+                log.error("torchreplay checkpoint failed: %s", exc)
+                self._error = exc
+            finally:
+                if isinstance(job, _Upload):
+                    self.buffer.storage.unpin_shards([job.shard])
+                elif isinstance(job, _Publish):
+                    job.done.set()
+
+    def _upload(self, job: _Upload) -> None:
+        if job.spill is not None:
+            job.spill.result()  # the spill file must be complete; its failure is the storage's to report
+        if isinstance(job.source, str):
+            with_retries(lambda: self.store.put_file(job.key, job.source), self.retry_budget_s, f"upload {job.key}")
+        else:
+            header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
+            data = bytearray(header.file_bytes)
+            data[: len(head)] = head
+            for offset, piece in writes:
+                data[offset : offset + len(piece)] = piece
+            with_retries(lambda: self.store.put(job.key, bytes(data)), self.retry_budget_s, f"upload {job.key}")
+        self._durable.add(job.key)
+
+    def _publish(self, job: _Publish) -> None:
+        missing = [k for k in job.shard_keys.values() if k not in self._durable]
+        if missing:
+            raise CheckpointError(f"manifest {job.sequence} names shards that are not durable: {missing[:3]}")
+        text, blob = tensorfile.pack(job.state)
+        name = f"{job.sequence:012d}"
+        state_key, blob_key = f"state/{name}.json", f"state/{name}.bin"
+        with_retries(lambda: self.store.put(blob_key, blob), self.retry_budget_s, f"upload {blob_key}")
+        with_retries(lambda: self.store.put(state_key, text), self.retry_budget_s, f"upload {state_key}")
+        manifest = {
+            "format_version": MANIFEST_VERSION,
+            "sequence": job.sequence,
+            "created_unix_s": time.time(),
+            "session": self.session,
+            "state": {"json": state_key, "blob": blob_key, "json_bytes": len(text), "blob_bytes": len(blob)},
+            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid]} for sid, key in
+                       sorted(job.shard_keys.items())],
+            "rollouts": int(job.state["count"]),
+            "policy_version": int(job.state["version"]),
+        }
+        manifest_key = f"manifests/{name}.json"
+        payload = json.dumps(manifest, separators=(",", ":")).encode()
+        with_retries(lambda: self.store.put(manifest_key, payload), self.retry_budget_s, f"upload {manifest_key}")
+        pointer = json.dumps({"manifest": manifest_key}).encode()
+        with_retries(lambda: self.store.put("LATEST", pointer), self.retry_budget_s, "upload LATEST")
+        self.published.append(manifest_key)
+        self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        manifests = self.store.list("manifests")
+        keep, drop = manifests[-self.keep_last :], manifests[: -self.keep_last]
+        needed: set[str] = set()
+        kept_states: set[str] = set()
+        for key in keep:
+            m = json.loads(self.store.get(key))
+            needed.update(s["key"] for s in m["shards"])
+            kept_states.update((m["state"]["json"], m["state"]["blob"]))
+        # Shards sealed after the newest manifest are not named yet but will be: keep this session's
+        # durable shards that are still live.
+        with self._keys_lock:
+            needed.update(self._keys.values())
+        stale_shards = [k for k in self.store.list("shards") if k not in needed]
+        stale_states = [k for k in self.store.list("state") if k not in kept_states]
+        self.store.delete(drop + stale_states + stale_shards)
+        self._durable.difference_update(stale_shards)
+
+
+def read_manifest(store: ObjectStore) -> dict[str, Any]:
+    """Follow LATEST to the newest manifest; validate it before anything is allocated or opened."""
+    try:
+        pointer = json.loads(store.get("LATEST"))
+    except ValueError as exc:
+        raise CheckpointError(f"{store.uri}/LATEST is not valid JSON") from exc
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
+        raise CheckpointError(f"{store.uri}/LATEST does not name a manifest")
+    from torchreplay.checkpoint.store import check_key
+
+    key = check_key(pointer["manifest"])
+    if not key.startswith("manifests/"):
+        raise CheckpointError(f"LATEST names {key!r}, outside manifests/")
+    try:
+        manifest = json.loads(store.get(key))
+    except ValueError as exc:
+        raise CheckpointError(f"manifest {key} is not valid JSON") from exc
+    validate_manifest(manifest)
+    return manifest
+
+
+def validate_manifest(m: Any) -> None:
+    from torchreplay.checkpoint.store import check_key
+
+    if not isinstance(m, dict):
+        raise CheckpointError("manifest must be a JSON object")
+    if m.get("format_version") != MANIFEST_VERSION:
+        raise CheckpointError(f"unsupported manifest format_version {m.get('format_version')!r}")
+    for field in ("sequence", "rollouts", "policy_version"):
+        if isinstance(m.get(field), bool) or not isinstance(m.get(field), int) or m[field] < 0:
+            raise CheckpointError(f"manifest field {field!r} must be a non-negative int, got {m.get(field)!r}")
+    state = m.get("state")
+    if not isinstance(state, dict):
+        raise CheckpointError("manifest 'state' must be an object")
+    for field in ("json", "blob"):
+        key = state.get(field)
+        if not isinstance(key, str) or not check_key(key).startswith("state/"):
+            raise CheckpointError(f"manifest state.{field} {key!r} must be a key under state/")
+    for field in ("json_bytes", "blob_bytes"):
+        if isinstance(state.get(field), bool) or not isinstance(state.get(field), int) or not 0 <= state[field] < 1 << 40:
+            raise CheckpointError(f"manifest state.{field} must be a size in bytes, got {state.get(field)!r}")
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        raise CheckpointError("manifest 'shards' must be a list")
+    seen: set[int] = set()
+    total_live = 0
+    for s in shards:
+        if not isinstance(s, dict):
+            raise CheckpointError("manifest shard entries must be objects")
+        sid, key, live = s.get("id"), s.get("key"), s.get("live_rows")
+        if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0 or sid in seen:
+            raise CheckpointError(f"manifest shard id {sid!r} is invalid or repeated")
+        seen.add(sid)
+        if not isinstance(key, str) or not check_key(key).startswith("shards/") or not key.endswith(".trs"):
+            raise CheckpointError(f"manifest shard key {key!r} must be shards/<name>.trs inside the prefix")
+        if isinstance(live, bool) or not isinstance(live, int) or live < 1:
+            raise CheckpointError(f"manifest shard {sid}: live_rows must be >= 1, got {live!r}")
+        total_live += live
+    if total_live != m["rollouts"]:
+        raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")
+

@@ -1,0 +1,181 @@
+"""Resume a buffer from a checkpoint, or import another run's rollouts into a live buffer."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from torchreplay.checkpoint import tensorfile
+from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
+from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
+from torchreplay.errors import CheckpointError, StorageError
+from torchreplay.samplers import builtin
+from torchreplay.storage import TieredStorage
+from torchreplay.storage import format as fmt
+
+if TYPE_CHECKING:
+    from torchreplay.buffer import Handles, RolloutBuffer
+
+BUILTIN_SAMPLERS = {
+    "UniformSampler": builtin.UniformSampler,
+    "PrioritizedSampler": builtin.PrioritizedSampler,
+    "FreshnessSampler": builtin.FreshnessSampler,
+    "PNewestSampler": builtin.PNewestSampler,
+    "GroupSampler": builtin.GroupSampler,
+}
+
+
+def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
+    state_info = manifest["state"]
+    text = store.get(state_info["json"])
+    blob = store.get(state_info["blob"])
+    if len(text) != state_info["json_bytes"] or len(blob) != state_info["blob_bytes"]:
+        raise CheckpointError("checkpoint state objects do not have the sizes the manifest records")
+    state = tensorfile.unpack(text, blob)
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        raise CheckpointError("checkpoint state has no buffer config")
+    return state
+
+
+def _sampler_from_state(state: dict[str, Any]):
+    sampler_state = state.get("sampler")
+    if not isinstance(sampler_state, dict):
+        raise CheckpointError("checkpoint state has no sampler state")
+    cls = BUILTIN_SAMPLERS.get(sampler_state.get("type"))
+    if cls is None:
+        raise CheckpointError(f"sampler {sampler_state.get('type')!r} is not built in: pass sampler=... to restore")
+    config = sampler_state.get("config")
+    if not isinstance(config, dict) or not all(isinstance(v, (int, float)) for v in config.values()):
+        raise CheckpointError(f"sampler config {config!r} is malformed")
+    return cls(**config)
+
+
+def _buffer_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "ref_logprobs", "routing"}
+    out = {k: config[k] for k in allowed if k in config}
+    if out.get("routing") is not None:
+        out["routing"] = tuple(out["routing"])
+    if config.get("extra_fields"):
+        raise CheckpointError(f"the checkpoint declares extra fields {config['extra_fields']}: pass extra_fields=...")
+    return out
+
+
+def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, desc: str) -> dict[int, str]:
+    """Download every shard the manifest names into a temp dir; returns id -> local path."""
+    tmp = tempfile.mkdtemp(prefix="torchreplay-restore-")
+    shards = manifest["shards"]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(shards), desc=desc, unit="shard")
+
+    def one(entry: dict[str, Any]) -> tuple[int, str]:
+        path = os.path.join(tmp, f"{entry['id']}.trs")
+        with_retries(lambda: store.get_to_file(entry["key"], path), 60.0, f"download {entry['key']}")
+        if bar is not None:
+            bar.update(1)
+        return entry["id"], path
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        paths = dict(pool.map(one, shards))
+    if bar is not None:
+        bar.close()
+    return paths
+
+
+def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
+            checkpoint: Checkpointer | bool, lazy: bool, progress: bool, **kwargs: Any) -> "RolloutBuffer":
+    store = open_store(uri, endpoint_url)
+    manifest = read_manifest(store)
+    state = load_state(store, manifest)
+    if lazy and (storage is None or not storage.tiered):
+        raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")
+    buffer_kwargs = {**_buffer_kwargs(state["config"]), **kwargs}
+    buffer = cls(sampler=sampler if sampler is not None else _sampler_from_state(state), storage=storage,
+                 **buffer_kwargs)
+    by_id = {s["id"]: s for s in manifest["shards"]}
+    # Row counts come from the shard headers themselves, so the state is checked against the data.
+    # Lazy or eager, shard files are downloaded now; lazy ones stay in the cold tier (only headers,
+    # offsets and per-rollout fields are read), eager ones are read whole into the hot tier.
+    paths = _fetch_shards(store, manifest, progress and not lazy, desc=f"restoring {uri}")
+    rows = {sid: fmt.read_shard_meta(p).header.n for sid, p in paths.items()}
+    table = state.get("table", {})
+    if isinstance(table, dict) and isinstance(table.get("chunk"), torch.Tensor) and isinstance(table.get("live"), torch.Tensor):
+        live_chunks = table["chunk"][table["live"]]
+        for sid, entry in by_id.items():
+            if int((live_chunks == sid).sum()) != entry["live_rows"]:
+                raise CheckpointError(f"manifest shard {sid}: live_rows disagrees with the slot table")
+    new_ids: dict[int, int] = {}
+
+    def store_chunk(cid: int) -> int:
+        new_ids[cid] = buffer.storage.adopt(paths[cid])
+        return new_ids[cid]
+
+    try:
+        buffer._load(state, rows, store_chunk)
+    except (ValueError, TypeError, KeyError, StorageError) as exc:
+        raise CheckpointError(f"checkpoint {uri} failed validation: {exc}") from exc
+    if checkpoint:
+        ckpt = checkpoint if isinstance(checkpoint, Checkpointer) else Checkpointer(uri, endpoint_url=endpoint_url)
+        same_place = ckpt.store.uri == store.uri
+        known = {new: by_id[old]["key"] for old, new in new_ids.items()} if same_place else {}
+        buffer.checkpointer = ckpt
+        ckpt.attach(buffer, known=known)
+        for sid in new_ids.values():
+            if sid not in known and buffer.storage._shards.get(sid) is not None:
+                ckpt.shard_sealed(sid)
+    return buffer
+
+
+def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | None, version_offset: int,
+                    reprioritize: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
+                    progress: bool) -> "Handles":
+    """Add another run's live rollouts as new rollouts of this buffer (nothing is written there)."""
+    from torchreplay.buffer import _TABLE_FIELDS, Handles
+
+    if isinstance(version_offset, bool) or not isinstance(version_offset, int):
+        raise TypeError(f"version_offset must be an int, got {version_offset!r}")
+    store = open_store(uri, endpoint_url)
+    manifest = read_manifest(store)
+    state = load_state(store, manifest)
+    table = state["table"]
+    paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
+    handles = []
+    try:
+        for sid, path in sorted(paths.items()):
+            with open(path, "rb") as f:
+                shard = fmt.parse_shard(f.read())
+            slots = ((table["chunk"] == sid) & table["live"]).nonzero().flatten()
+            rows = table["row"][slots]
+            if rows.numel() and int(rows.max()) >= shard.header.n:
+                raise CheckpointError(f"imported shard {sid}: slot table names rows past its {shard.header.n}")
+            starts, ends = shard.offsets[rows], shard.offsets[rows + 1]
+            batch: dict[str, Any] = {
+                name: [values[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
+                for name, values in shard.token.items()
+            }
+            batch.update({name: values[rows] for name, values in shard.rollout.items()})
+            for name in _TABLE_FIELDS:
+                batch[name] = table[name][slots].clone()
+            batch["policy_version"] = (batch["policy_version"] + version_offset).clamp(min=0)
+            if reprioritize is not None:
+                new_adv = reprioritize(batch)
+                if not isinstance(new_adv, torch.Tensor) or new_adv.shape != batch["advantage"].shape:
+                    raise ValueError("reprioritize must return one advantage per imported rollout")
+                batch["advantage"] = new_adv.to(torch.float32)
+            if slots.numel():
+                handles.append(buffer.add(batch))
+    finally:
+        for path in paths.values():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if not handles:
+        return Handles(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    return Handles(torch.cat([h.slot for h in handles]), torch.cat([h.generation for h in handles]))

@@ -1,0 +1,256 @@
+"""Object-store back ends behind one small interface: `s3://bucket/prefix` (boto3) and
+`file:///path` (the embedded default). Keys are relative to the store's prefix.
+
+Both publish atomically: a local file is written to a temporary name, fsynced and renamed; an S3
+object becomes visible only when its PUT (or multipart completion) succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import time
+from typing import Callable, Protocol, TypeVar
+from urllib.parse import urlparse
+
+from torchreplay.errors import CheckpointError
+
+log = logging.getLogger("torchreplay.checkpoint")
+T = TypeVar("T")
+
+# Keys a checkpoint writes: no absolute paths, no "..", nothing outside these rooms.
+KEY_PATTERN = re.compile(r"^(shards|manifests|state)/[A-Za-z0-9._-]{1,200}$|^LATEST$")
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not KEY_PATTERN.match(key) or ".." in key:
+        raise CheckpointError(f"object key {key!r} is not a valid checkpoint key (confined to the run prefix)")
+    return key
+
+
+class ObjectStore(Protocol):
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def put_file(self, key: str, path: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_to_file(self, key: str, path: str) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, room: str) -> list[str]: ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+
+class FileStore:
+    """A local directory. `put` is atomic (temp file, fsync, rename, fsync of the directory)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.uri = "file://" + self.root
+        for room in ("shards", "manifests", "state"):
+            os.makedirs(os.path.join(self.root, room), exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, check_key(key))
+
+    def _publish(self, key: str, write: Callable[[str], None]) -> None:
+        path = self._path(key)
+        tmp = f"{path}.partial-{os.getpid()}"
+        try:
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise CheckpointError(f"cannot write {path}: {exc}") from exc
+
+    def put(self, key: str, data: bytes) -> None:
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+
+        self._publish(key, write)
+
+    def put_file(self, key: str, path: str) -> None:
+        def write(tmp: str) -> None:
+            try:
+                os.link(path, tmp)  # same file system: no copy needed, the source is immutable
+            except OSError:
+                with open(path, "rb") as src, open(tmp, "wb") as dst:
+                    while chunk := src.read(8 << 20):
+                        dst.write(chunk)
+
+        self._publish(key, write)
+
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self._path(key)}: {exc}") from exc
+
+    def get_to_file(self, key: str, path: str) -> None:
+        src = self._path(key)
+        try:
+            try:
+                os.link(src, path)
+            except OSError:
+                with open(src, "rb") as s, open(path, "wb") as d:
+                    while chunk := s.read(8 << 20):
+                        d.write(chunk)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {src}: {exc}") from exc
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def list(self, room: str) -> list[str]:
+        directory = os.path.join(self.root, room)
+        if not os.path.isdir(directory):
+            return []
+        return sorted(f"{room}/{name}" for name in os.listdir(directory) if ".partial-" not in name)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise CheckpointError(f"cannot delete {self._path(key)}: {exc}") from exc
+
+
+class S3Store:
+    """`s3://bucket/prefix` through boto3, honouring the standard AWS configuration (environment,
+    profiles, AWS_ENDPOINT_URL). Large objects go up in multipart uploads; every request carries a
+    CRC32 checksum the server verifies. Credentials are never logged."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or len(parsed.netloc) < 3:
+            raise ValueError(f"S3 URI must look like s3://bucket/prefix (bucket of 3+ characters), got {uri!r}")
+        self.uri = uri.rstrip("/")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        # Retries are ours (bounded, with jitter, see Checkpointer): botocore makes one attempt.
+        config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=connect_timeout_s,
+                        read_timeout=read_timeout_s, request_checksum_calculation="when_supported")
+        session = boto3.session.Session()
+        self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.transfer = TransferConfig(multipart_threshold=multipart_bytes, multipart_chunksize=multipart_bytes,
+                                       use_threads=True, max_concurrency=4)
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _wrap(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn()
+        except (BotoCoreError, ClientError) as exc:
+            raise CheckpointError(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
+
+    def put(self, key: str, data: bytes) -> None:
+        self._wrap("put", key, lambda: self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="CRC32"))
+
+    def put_file(self, key: str, path: str) -> None:
+        self._wrap("upload", key, lambda: self.client.upload_file(
+            path, self.bucket, self._key(key), ExtraArgs={"ChecksumAlgorithm": "CRC32"}, Config=self.transfer))
+
+    def get(self, key: str) -> bytes:
+        def fetch() -> bytes:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")["Body"].read()
+
+        return self._wrap("get", key, fetch)
+
+    def get_to_file(self, key: str, path: str) -> None:
+        self._wrap("download", key, lambda: self.client.download_file(
+            self.bucket, self._key(key), path, Config=self.transfer))
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise CheckpointError(f"S3 head s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
+
+    def list(self, room: str) -> list[str]:
+        base = f"{self.prefix}/{room}/" if self.prefix else f"{room}/"
+
+        def run() -> list[str]:
+            keys = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                keys += [obj["Key"][len(base) - len(room) - 1 :] for obj in page.get("Contents", [])]
+            return sorted(keys)
+
+        return self._wrap("list", room, run) if room else []
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            if batch:
+                self._wrap("delete", keys[i], lambda: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+
+
+def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
+    if not isinstance(uri, str):
+        raise TypeError(f"checkpoint uri must be a str, got {type(uri).__name__}")
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URI must be file:///absolute/path, got {uri!r}")
+        return FileStore(parsed.path)
+    if parsed.scheme == "s3":
+        return S3Store(uri, endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"))
+    raise ValueError(f"checkpoint uri must start with s3:// or file://, got {uri!r}")
+
+
+def with_retries(fn: Callable[[], T], budget_s: float, what: str, base_s: float = 0.05, cap_s: float = 2.0,
+                 rng: random.Random | None = None) -> T:
+    """Call `fn` until it succeeds or `budget_s` seconds are spent: exponential backoff with full
+    jitter (sleep ~ U[0, min(cap, base * 2^attempt)]). Raises the last CheckpointError."""
+    rng = rng or random.Random()
+    deadline = time.monotonic() + budget_s
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except CheckpointError as exc:
+            attempt += 1
+            delay = rng.uniform(0, min(cap_s, base_s * 2**attempt))
+            if time.monotonic() + delay > deadline:
+                raise CheckpointError(f"{what}: gave up after {attempt} attempts in {budget_s:.0f}s: {exc}") from exc
+            log.warning("torchreplay checkpoint: %s failed (attempt %d), retrying in %.2fs", what, attempt, delay)
+            time.sleep(delay)
