@@ -1,6 +1,8 @@
 """torchreplay: rollout-level prioritized replay for LLM RL post-training."""
 
-from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
+from torchreplay.buffer import Handles, PendingBatch, ReplayBatch, RolloutBuffer
+from torchreplay.checkpoint import Checkpointer
+from torchreplay.distributed import DistributedRolloutBuffer
 from torchreplay.errors import CheckpointError, ReplayError, SchemaError, StorageError
 from torchreplay.samplers import (
     FreshnessSampler,
@@ -12,10 +14,17 @@ from torchreplay.samplers import (
     UniformSampler,
 )
 from torchreplay.schema import FieldSpec
+from torchreplay.storage import LRUPolicy, NewestFirstPolicy, TieredStorage
 from torchreplay.tree import SegmentTree
 
 __all__ = [
     "RolloutBuffer",
+    "DistributedRolloutBuffer",
+    "PendingBatch",
+    "TieredStorage",
+    "LRUPolicy",
+    "NewestFirstPolicy",
+    "Checkpointer",
     "ReplayBatch",
     "Handles",
     "FieldSpec",

@@ -426,6 +426,33 @@ class RolloutBuffer:
             future = self._prefetcher.submit(self._materialize, plan)
         return PendingBatch(self, future, device, (batch_size, generator))
 
+    def gather(self, slots: torch.Tensor, count_use: bool = True, weights: torch.Tensor | None = None,
+               device: torch.device | str | None = None) -> ReplayBatch:
+        """Read the given live slots as a padded batch (e.g. slots chosen by another rank's draw).
+
+        With `count_use` their reuse counts go up and the reuse cap applies, as for `sample`.
+        Unreadable rollouts are evicted and raise StorageError."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+            raise TypeError("slots must be a 1-D int64 tensor")
+        slots = slots.cpu()
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
+            raise ValueError(f"slots outside [0, {self.capacity})")
+        if not bool(self._table.live[slots].all()):
+            raise ValueError("slots must name live rollouts")
+        n = slots.numel()
+        w = torch.ones(n) if weights is None else weights
+        try:
+            batch = self._materialize(self._plan(slots, w, torch.zeros(n, dtype=torch.bool)))
+        except CorruptRows as exc:
+            self.on_corrupt, mode = "raise", self.on_corrupt
+            try:
+                self._evict_corrupt(exc)
+            finally:
+                self.on_corrupt = mode
+        if count_use:
+            self._record_use(slots, weights)
+        return batch if device is None else batch.to(device)
+
     def prefetching(
         self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
         generator: torch.Generator | None = None,

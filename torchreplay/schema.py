@@ -7,6 +7,7 @@ loop over rollouts in Python. Validation runs on the whole batch before the buff
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -160,10 +161,10 @@ def _first_bad(mask: torch.Tensor) -> int:
 def to_mapping(batch: Any) -> Mapping[str, Any]:
     """Accept a dict or, when tensordict is installed, a TensorDict (checked first: it is not a
     plain Mapping of its keys)."""
-    try:
-        from tensordict import TensorDictBase
-    except ImportError:
-        TensorDictBase = None  # noqa: N806
+    # Whoever passes a TensorDict has imported tensordict already; importing it here would cost
+    # every other caller seconds (it pulls in torch._dynamo).
+    tensordict = sys.modules.get("tensordict")
+    TensorDictBase = getattr(tensordict, "TensorDictBase", None)  # noqa: N806
     if TensorDictBase is not None and isinstance(batch, TensorDictBase):
         return {key: batch.get(key) for key in batch.keys()}
     if isinstance(batch, Mapping):

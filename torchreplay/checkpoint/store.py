@@ -169,11 +169,12 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _wrap(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn()
-        except (BotoCoreError, ClientError) as exc:
+        except (BotoCoreError, ClientError, Boto3Error) as exc:
             raise CheckpointError(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
 
     def put(self, key: str, data: bytes) -> None:

@@ -87,6 +87,9 @@ def unpack(text: bytes, blob: bytes) -> Any:
         data = blob[offset : offset + nbytes]
         if zlib.crc32(data) != crc:
             raise CheckpointError(f"state tensor {i}: checksum mismatch")
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
         raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
         t = raw.view(torch.int16).view(torch.bfloat16) if dtype == torch.bfloat16 else raw.view(dtype)
         tensors.append(t.reshape(shape))

@@ -1,0 +1,572 @@
+"""DistributedRolloutBuffer: one `RolloutBuffer` shard per rank over `torch.distributed`.
+
+Rollouts are added on the rank that generated them and never move at insertion. Two ways to sample:
+
+- ``mode="local"``: each rank samples its own shard; no rollout bytes move. One all_reduce per
+  `sample` call shares every shard's (count, total priority, min priority) so the IS weights are
+  normalized over the whole job (see "IS weights" below).
+- ``mode="global"``: exact prioritized sampling over the union of all shards. Each rank receives
+  `batch_size` rollouts; together the ranks hold one stratified global batch of
+  `batch_size * world_size` draws with P(i) = p_i / sum over every rank of p_j.
+
+Protocol of a global `sample` (collectives in this order, on every rank):
+
+1. all_reduce of a [world, 7] float64 table: every rank fills its own row (count, total, min
+   priority, beta, batch size, arguments-ok, and on rank 0 a random shift) and zeros elsewhere, so
+   a SUM reduce gathers all rows in one collective, exactly (adding zeros is exact). It also
+   carries argument checks, so bad input on one rank raises on every rank instead of leaving the
+   others waiting in the next collective.
+2. Uniforms: no extra collective. The global total T is cut into `B * W` strata; rank r takes the
+   strata k * W + r (k = 0..B-1), draws its position inside each from its own `generator`, and every
+   point is rotated by a shift s in [0, T) that rank 0 draws from its generator and shares in the
+   step-1 table. The union is a stratified sample of the whole mass; each rank's share is spread
+   over the whole mass (a contiguous slice would hand rank 0 mostly its own shard), and the shared
+   rotation makes each rank's expected counts exact too (without it, rank r would be biased by
+   O(1 / B) towards the start of each block of W strata). Distinct strata mean identical seeds on
+   all ranks are fine; seed every rank's generator for reproducibility.
+3. all_to_all of request counts, then all_to_all of the requests: the position within the owner's
+   total as a fraction in [0, 1) (float64).
+4. The owner descends its tree (`SegmentTree.sample(u=..., stratified=False)`), counts the use
+   (reuse cap and eviction apply on the owner, after the payload is read), and answers with one
+   all_to_all for all per-rollout fields (one byte row per rollout: length, slot, generation, reuse,
+   age, priority, reward, advantage, ...) and one all_to_all per token field (the requested rollouts'
+   tokens concatenated, no padding). Every field is sent as its raw bytes (`Tensor.view(torch.uint8)`)
+   so bool, bfloat16 and the narrow routing dtypes travel on any backend.
+5. The receiver pads to its batch's longest rollout and restores stratum order.
+
+IS weights. In global mode P(i) = p_i / T, so w_i = (N P(i)) ** -beta / max_j (N P(j)) ** -beta
+= (p_i / p_min) ** -beta (N and T cancel), with p_min the smallest live priority on any rank. In
+local mode a rank draws from its own shard, so rollout i of rank r is drawn with probability
+p_i / (W * T_r): the weights use that, normalized by the smallest such probability over all ranks:
+w_i = ((p_i / T_r) / min_s(p_min_s / T_s)) ** -beta. When all shards have the same total this is
+(p_i / p_min_global) ** -beta; when they do not, it still corrects the over-sampling of small
+shards, which the plain global-min formula would not. Weights are <= 1.
+`beta` must agree on every rank (checked each call).
+
+Failures. Every collective goes through one wrapper: a backend error (a peer rank died, or did not
+arrive within the process group's `timeout`, as set in `init_process_group(timeout=...)` or
+`new_group(timeout=...)`) becomes a `ReplayError` naming the step, the rank and the likely cause, and
+the buffer refuses further collectives.
+
+Checkpointing with resharding is not implemented yet. Each shard is a plain `RolloutBuffer`, so its
+`state_dict()` is the per-rank state; resharding would re-add live rollouts by owner, which the packed
+per-field payload format here already supports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
+from torchreplay.errors import ReplayError
+from torchreplay.samplers import PNewestSampler, TreeSampler
+from torchreplay.schema import ROLLOUT, TOKEN
+
+MODES = ("local", "global")
+# Columns of the per-call shard table (see the module docstring, step 1).
+_COUNT, _TOTAL, _MIN, _BETA, _BATCH, _OK, _SHIFT = range(7)
+_ONE_BELOW_ONE = math.nextafter(1.0, 0.0)
+# Per-rollout fields the receiver rebuilds from the owner's slot table.
+_META_INT = ("status", "length", "slot", "generation", "reuse", "age", "prompt_len", "group_id", "policy_version")
+_META_FLOAT = ("priority", "reward", "advantage")
+
+
+@dataclass(frozen=True)
+class DistributedHandles(Handles):
+    """Handles of sampled rollouts that may live on other ranks: `rank` is the owner (int64 [n],
+    ranks within the buffer's process group); `slot` and `generation` are the owner's."""
+
+    rank: torch.Tensor = None  # type: ignore[assignment]  # int64 [n]; dataclass field order needs a default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, torch.Tensor) or self.rank.shape != self.slot.shape:
+            raise ValueError("DistributedHandles.rank must be an int64 tensor shaped like slot")
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """Every shard's figures as of one collective: `count` (rollouts, int64 [W]), `total` and `min`
+    (sum and smallest positive priority, float64 [W]; min is +inf for an empty shard)."""
+
+    count: torch.Tensor
+    total: torch.Tensor
+    min: torch.Tensor
+
+    @property
+    def global_count(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def global_total(self) -> float:
+        return float(self.total.sum())
+
+    @property
+    def global_min(self) -> float:
+        return float(self.min.min())
+
+
+def _to_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A [rows, ...] tensor as its raw bytes, [rows, bytes per row] uint8."""
+    return t.contiguous().view(torch.uint8).reshape(rows, math.prod(t.shape[1:]) * t.element_size())
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `_to_bytes`: [rows, bytes per row] uint8 -> [rows, *shape] of `dtype`."""
+    return b.contiguous().view(dtype).reshape(b.shape[0], *shape)
+
+
+def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class DistributedRolloutBuffer:
+    """A `RolloutBuffer` shard on every rank of `process_group`, sampled locally or globally.
+
+    Collectives (call them on every rank of the group, in the same order): the constructor,
+    `sample`, `shard_stats`, `advance`, `metrics(global_=True)`, and `update_priorities` in global
+    mode. `add`, `len()` and `metrics()` are local.
+
+    Args:
+        process_group: the group to run over (None: the default group). Its `timeout` bounds how long
+            a call waits for a dead or stalled peer before raising `ReplayError`.
+        mode: "local" (sample the own shard, weights normalized globally, no payload traffic) or
+            "global" (exact prioritized sampling over all shards; payloads move by all_to_all).
+        **buffer_kwargs: passed to the local `RolloutBuffer` (capacity, sampler, max_staleness, ...).
+            Must be the same on every rank (checked at construction). Global mode needs a
+            proportional tree sampler (`PrioritizedSampler`, `FreshnessSampler`, `UniformSampler`).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, mode: str = "local",
+                 **buffer_kwargs: Any) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ReplayError("DistributedRolloutBuffer needs torch.distributed initialized "
+                              "(call torch.distributed.init_process_group first)")
+        buffer = RolloutBuffer(**buffer_kwargs)
+        if mode == "global" and (not isinstance(buffer.sampler, TreeSampler)
+                                 or isinstance(buffer.sampler, PNewestSampler)):
+            raise TypeError("mode='global' needs a proportional tree sampler (PrioritizedSampler, "
+                            f"FreshnessSampler or UniformSampler), got {type(buffer.sampler).__name__}")
+        self.buffer = buffer
+        self.mode = mode
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        backend = str(dist.get_backend(process_group)).lower()
+        # NCCL moves only device tensors; the shard itself stays in host memory.
+        self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                            else torch.device("cpu"))
+        self._failed: str | None = None
+        self._counters: dict[str, float] = {
+            "dist_sample_calls": 0, "dist_received": 0, "dist_served": 0,
+            "dist_payload_bytes_sent": 0, "dist_control_bytes_sent": 0,
+        }
+        self._last_ess = math.nan
+        self._check_same_config()
+
+    # ------------------------------------------------------------------------------ plumbing
+    def _collective(self, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._failed is not None:
+            raise ReplayError(f"rank {self.rank}: the buffer's process group failed earlier ({self._failed}); "
+                              "recreate the process group and the buffer")
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except RuntimeError as e:  # DistBackendError and gloo/nccl errors are RuntimeErrors
+            text = str(e)
+            low = text.lower()
+            if "timed out" in low or "timeout" in low:
+                cause = "a peer rank did not arrive within the process group timeout (stalled or dead)"
+            elif "connection" in low or "closed" in low or "reset" in low or "peer" in low:
+                cause = "lost the connection to a peer rank (it probably died)"
+            else:
+                cause = "the backend reported an error"
+            self._failed = f"{step}: {cause}"
+            raise ReplayError(
+                f"torchreplay.distributed: collective {step!r} failed on rank {self.rank} of {self.world_size}: "
+                f"{cause}. Backend said: {text.splitlines()[0][:300] if text else type(e).__name__}"
+            ) from e
+
+    def _comm(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.comm_device)
+
+    def _gather_rows(self, step: str, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's `row` (float64 [K]) as [W, K], in one all_reduce."""
+        table = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=self.comm_device)
+        table[self.rank] = row.to(self.comm_device, torch.float64)
+        self._collective(step, dist.all_reduce, table)
+        self._counters["dist_control_bytes_sent"] += table.numel() * 8
+        return table.cpu()
+
+    def _all_to_all(self, step: str, send: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                    payload: bool) -> torch.Tensor:
+        """all_to_all_single of a [rows, R] tensor split by rows; returns the received [sum(recv_rows), R]."""
+        width = math.prod(send.shape[1:])
+        out = torch.empty(sum(recv_rows), *send.shape[1:], dtype=send.dtype, device=self.comm_device)
+        # Flattened, so the splits are plain element counts on every backend.
+        self._collective(step, dist.all_to_all_single, out.view(-1), self._comm(send).reshape(-1),
+                         [r * width for r in recv_rows], [r * width for r in send_rows])
+        moved = sum(n for i, n in enumerate(send_rows) if i != self.rank) * width * send.element_size()
+        self._counters["dist_payload_bytes_sent" if payload else "dist_control_bytes_sent"] += moved
+        return out
+
+    def _config_fingerprint(self) -> int:
+        b = self.buffer
+        sampler = b.sampler
+        cfg = sampler.config() if hasattr(sampler, "config") else {"per_group": getattr(sampler, "per_group", None)}
+        fields = sorted((n, s.kind, str(s.dtype), s.shape, s.required) for n, s in b.fields.items())
+        text = repr((self.mode, b.capacity, b.max_staleness, b.max_reuse, b.overflow, b.padding_side,
+                     b.pad_token_id, fields, type(sampler).__name__, sorted(cfg.items())))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")  # fits float64 exactly
+
+    def _check_same_config(self) -> None:
+        fp = float(self._config_fingerprint())
+        rows = self._gather_rows("config check", torch.tensor([fp], dtype=torch.float64))
+        differ = (rows[:, 0] != fp).nonzero().flatten().tolist()
+        if differ:
+            raise ValueError(f"rank {self.rank}: ranks {differ} built their DistributedRolloutBuffer with a different "
+                             "mode, buffer configuration or sampler; every rank must pass the same arguments")
+
+    def _shard_row(self, batch_size: int, ok: bool, shift: float = 0.0) -> torch.Tensor:
+        sampler = self.buffer.sampler
+        count = len(self.buffer)
+        if isinstance(sampler, TreeSampler) and sampler.tree is not None and not isinstance(sampler, PNewestSampler):
+            total, pmin = float(sampler.tree.total()), float(sampler.tree.min())
+        else:  # samplers without priorities: weights are all ones, only count matters
+            total, pmin = float(count), (1.0 if count else math.inf)
+        beta = float(getattr(sampler, "beta", 0.0))
+        return torch.tensor([count, total, pmin, beta, batch_size, 1.0 if ok else 0.0, shift], dtype=torch.float64)
+
+    def _exchange(self, step: str, batch_size: int, error: str | None, shift: float = 0.0) -> torch.Tensor:
+        """Step 1 of the protocol. Raises on every rank when any rank's arguments were bad."""
+        rows = self._gather_rows(step, self._shard_row(batch_size if error is None else 0, error is None, shift))
+        if error is not None:
+            raise ValueError(error)
+        bad = (rows[:, _OK] == 0).nonzero().flatten().tolist()
+        if bad:
+            raise ReplayError(f"rank {self.rank}: {step} aborted because rank(s) {bad} rejected their arguments")
+        return rows
+
+    def shard_stats(self) -> ShardStats:
+        """Collective: every shard's count, total and min priority."""
+        rows = self._exchange("shard stats", 0, None)
+        return ShardStats(rows[:, _COUNT].to(torch.int64), rows[:, _TOTAL].clone(), rows[:, _MIN].clone())
+
+    # ------------------------------------------------------------------------------ local API
+    def add(self, batch: Any) -> Handles:
+        """Store rollouts generated on this rank in this rank's shard (no communication)."""
+        return self.buffer.add(batch)
+
+    def __len__(self) -> int:
+        """Rollouts in this rank's shard."""
+        return len(self.buffer)
+
+    @property
+    def version(self) -> int:
+        """This shard's policy version (equal on every rank after `advance`)."""
+        return self.buffer.version
+
+    # ------------------------------------------------------------------------------ sampling
+    def sample(self, batch_size: int, device: torch.device | str | None = None,
+               generator: torch.Generator | None = None) -> ReplayBatch:
+        """Collective: `batch_size` rollouts for this rank (with replacement), padded, on `device`.
+
+        `batch_size` must be the same on every rank. The batch's `handles` are `DistributedHandles`
+        (owner rank, slot, generation); `weights` are IS weights normalized over all ranks (max 1).
+        In global mode `generator` draws this rank's positions (and, on rank 0, the shared shift).
+        `device=None` leaves tensors where they were built: the CPU with gloo; with NCCL the
+        received token fields and attention mask stay on the GPU they arrived on.
+        """
+        error = None
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            error = f"batch_size must be an int >= 1, got {batch_size!r}"
+        elif generator is not None and not isinstance(generator, torch.Generator):
+            error = f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        shift = 0.0
+        if error is None and self.mode == "global" and self.rank == 0:
+            shift = float(torch.rand(1, dtype=torch.float64, generator=generator))
+        rows = self._exchange("sample: shard stats", batch_size if error is None else 0, error, shift)
+        sizes = rows[:, _BATCH]
+        if bool((sizes != batch_size).any()):
+            raise ValueError(f"batch_size must be the same on every rank, got {sizes.to(torch.int64).tolist()}")
+        betas = rows[:, _BETA]
+        if bool((betas != betas[0]).any()):
+            raise ValueError(f"sampler beta must be the same on every rank, got {betas.tolist()}")
+        self._counters["dist_sample_calls"] += 1
+        out = self._sample_local(batch_size, rows, generator) if self.mode == "local" else \
+            self._sample_global(batch_size, rows, generator)
+        w = out.weights.double()
+        self._last_ess = float(w.sum() ** 2 / (w.pow(2).sum() * w.numel()))
+        self._counters["dist_received"] += batch_size
+        return out if device is None else out.to(device)
+
+    def _sample_local(self, batch_size: int, rows: torch.Tensor, generator: torch.Generator | None) -> ReplayBatch:
+        empty = (rows[:, _COUNT] == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"cannot sample in local mode: the shard of rank(s) {empty} is empty")
+        batch = self.buffer.sample(batch_size, generator=generator)
+        beta = float(rows[self.rank, _BETA])
+        if beta:
+            # The sampler normalized by this shard's min; rescale to the job-wide smallest probability.
+            ratio = rows[:, _MIN] / rows[:, _TOTAL]
+            factor = (ratio[self.rank] / ratio.min()) ** -beta
+            batch.weights = (batch.weights.double() * factor).to(torch.float32)
+        self._counters["dist_served"] += batch_size
+        rank = torch.full_like(batch.handles.slot, self.rank)
+        batch.handles = DistributedHandles(batch.handles.slot, batch.handles.generation, rank)
+        return batch
+
+    def _sample_global(self, batch_size: int, rows: torch.Tensor, generator: torch.Generator | None) -> ReplayBatch:
+        totals = rows[:, _TOTAL]
+        total = float(totals.sum())
+        if not total > 0:
+            raise ValueError("cannot sample: every shard is empty")
+        world, rank = self.world_size, self.rank
+        # Stratum k * W + rank of B * W (module docstring, step 2).
+        strata = torch.arange(batch_size, dtype=torch.float64) * world + rank
+        u = (strata + torch.rand(batch_size, dtype=torch.float64, generator=generator)) / (batch_size * world)
+        u = torch.remainder(u + float(rows[:, _SHIFT].sum()), 1.0) * total
+        ends = torch.cumsum(totals, 0)
+        last = int((totals > 0).nonzero().max())
+        owner = torch.searchsorted(ends, u, right=True).clamp(max=last)
+        frac = ((u - (ends[owner] - totals[owner])) / totals[owner]).clamp(0.0, _ONE_BELOW_ONE)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=world)
+        recv_counts = self._all_to_all("sample: request counts", send_counts.reshape(world, 1),
+                                       [1] * world, [1] * world, payload=False).reshape(-1).cpu()
+        send_counts_l, recv_counts_l = send_counts.tolist(), recv_counts.tolist()
+        requests = self._all_to_all("sample: requests", frac[order].reshape(-1, 1), send_counts_l, recv_counts_l,
+                                    payload=False).reshape(-1).cpu()
+        meta, token_bytes, tokens_per_peer, failure = self._serve(requests, recv_counts_l)
+        # Replies: per-rollout bytes, then one tensor per token field.
+        got_meta = self._all_to_all("sample: rollout fields", meta, recv_counts_l, send_counts_l, payload=True)
+        got = self._decode_meta(got_meta.cpu())
+        lengths = got["length"]
+        tokens_from = [int(s.sum()) for s in torch.split(lengths, send_counts_l)]
+        got_tokens = {name: self._all_to_all(f"sample: field {name!r}", data, tokens_per_peer, tokens_from,
+                                             payload=True) for name, data in token_bytes.items()}
+        if failure is not None:
+            raise failure
+        failed = owner[order][got["status"] != 0].unique().tolist()
+        if failed:
+            raise ReplayError(f"rank {self.rank}: rank(s) {failed} could not read the requested rollouts "
+                              "(their own error names the cause)")
+        return self._assemble(got, got_tokens, order, owner[order], rows)
+
+    def _token_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (s.dtype, s.shape) for n, s in self.buffer.fields.items() if s.kind == TOKEN}
+
+    def _extra_rollout_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        table = set(_META_INT) | set(_META_FLOAT)
+        return {n: (s.dtype, s.shape) for n, s in self.buffer.fields.items() if s.kind == ROLLOUT and n not in table}
+
+    def _serve(self, requests: torch.Tensor, recv_counts: list[int]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int], BaseException | None]:
+        """Owner side: draw the requested rollouts, count their use, pack their fields.
+
+        A failure to read the rollouts (e.g. a storage error) does not skip the remaining
+        collectives, which would leave the peers waiting: the reply carries status 1 and no tokens,
+        and the error is returned to be raised once the exchange is over."""
+        buf = self.buffer
+        n = requests.numel()
+        failure: BaseException | None = None
+        batch = None
+        if n:
+            slots, prio = buf.sampler.tree.sample(u=requests.to(buf.sampler.tree.device), stratified=False)
+            slots, prio = slots.cpu(), prio.cpu().to(torch.float64)
+            try:
+                batch = buf.gather(slots, count_use=True)
+            except Exception as e:  # noqa: BLE001 - re-raised by the caller after the exchange
+                failure = e
+        else:
+            slots, prio = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
+        if batch is not None:
+            mask = batch.attention_mask
+            lengths = mask.sum(1)
+        else:
+            mask, lengths = torch.zeros(n, 0, dtype=torch.bool), torch.zeros(n, dtype=torch.int64)
+        self._counters["dist_served"] += n
+        ints = {"status": torch.full((n,), int(failure is not None), dtype=torch.int64), "length": lengths,
+                "slot": slots}
+        if batch is not None:
+            ints.update(generation=batch.handles.generation, reuse=batch.reuse, age=batch.age,
+                        **{k: batch.data[k] for k in ("prompt_len", "group_id", "policy_version")})
+            floats = {"priority": prio, **{k: batch.data[k] for k in ("reward", "advantage")}}
+        else:
+            ints.update({k: torch.zeros(n, dtype=torch.int64) for k in _META_INT[3:]})
+            floats = {"priority": prio, **{k: torch.zeros(n, dtype=torch.float64) for k in _META_FLOAT[1:]}}
+        cols = [_to_bytes(ints[k].to(torch.int64), n) for k in _META_INT]
+        cols += [_to_bytes(floats[k].to(torch.float64), n) for k in _META_FLOAT]
+        for name, (dtype, shape) in self._extra_rollout_fields().items():
+            value = batch.data.get(name) if batch is not None else None
+            cols.append(_to_bytes(value if value is not None else torch.zeros(n, *shape, dtype=dtype), n))
+        meta = torch.cat(cols, 1) if cols else torch.empty(n, 0, dtype=torch.uint8)
+        n_tok = int(lengths.sum())
+        token_bytes = {}
+        for name, (dtype, shape) in self._token_fields().items():
+            value = batch.data.get(name) if batch is not None else None
+            flat = value[mask] if value is not None else torch.zeros(n_tok, *shape, dtype=dtype)
+            token_bytes[name] = _to_bytes(flat, n_tok)
+        tokens_per_peer = [int(s.sum()) for s in torch.split(lengths, recv_counts)]
+        return meta, token_bytes, tokens_per_peer, failure
+
+    def _decode_meta(self, meta: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, col = {}, 0
+        layout = [(k, torch.int64, ()) for k in _META_INT] + [(k, torch.float64, ()) for k in _META_FLOAT]
+        layout += [(k, d, s) for k, (d, s) in self._extra_rollout_fields().items()]
+        for name, dtype, shape in layout:
+            width = _row_bytes(dtype, shape)
+            out[name] = _from_bytes(meta[:, col:col + width], dtype, shape)
+            col += width
+        return out
+
+    def _assemble(self, got: dict[str, torch.Tensor], got_tokens: dict[str, torch.Tensor], order: torch.Tensor,
+                  owner_sorted: torch.Tensor, rows: torch.Tensor) -> ReplayBatch:
+        """Receiver side: pad token fields, restore stratum order, compute IS weights."""
+        buf = self.buffer
+        lengths = got["length"]
+        n = lengths.numel()
+        width = int(lengths.max()) if n else 0
+        positions = torch.arange(width)
+        if buf.padding_side == "right":
+            valid = positions[None, :] < lengths[:, None]
+        else:
+            valid = positions[None, :] >= (width - lengths)[:, None]
+        valid_dev = valid.to(self.comm_device)
+        restore = torch.argsort(order)
+        restore_dev = restore.to(self.comm_device)
+        data: dict[str, torch.Tensor] = {}
+        for name, (dtype, shape) in self._token_fields().items():
+            values = _from_bytes(got_tokens[name], dtype, shape)
+            fill = buf.pad_token_id if name == "tokens" else 0
+            padded = torch.full((n, width, *shape), fill, dtype=dtype, device=self.comm_device)
+            padded[valid_dev] = values
+            data[name] = padded[restore_dev]
+        data["attention_mask"] = valid_dev[restore_dev]
+        for name in ("prompt_len", "group_id", "policy_version"):
+            data[name] = got[name][restore]
+        for name in ("reward", "advantage"):
+            data[name] = got[name][restore].to(torch.float32)
+        for name in self._extra_rollout_fields():
+            data[name] = got[name][restore]
+        beta = float(rows[self.rank, _BETA])
+        prio = got["priority"][restore]
+        weights = (prio / float(rows[:, _MIN].min())).pow(-beta) if beta else torch.ones(n, dtype=torch.float64)
+        handles = DistributedHandles(got["slot"][restore], got["generation"][restore], owner_sorted[restore].clone())
+        return ReplayBatch(data=data, handles=handles, weights=weights.to(torch.float32),
+                           age=got["age"][restore], reuse=got["reuse"][restore],
+                           is_fresh=torch.zeros(n, dtype=torch.bool))
+
+    # ------------------------------------------------------------------------------ priorities
+    def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:
+        """Set new advantages for sampled rollouts; returns how many this rank's shard applied.
+
+        Local mode: applied to this rank's shard, no communication (handles must be this rank's).
+        Global mode: a collective; each update is routed to the owner rank by all_to_all. Handles
+        whose rollout was evicted or whose slot was reused are ignored and counted on the owner.
+        """
+        error = None
+        if not isinstance(handles, Handles):
+            error = f"handles must be Handles (from add/sample), got {type(handles).__name__}"
+        elif not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
+            error = "advantages must be a floating-point tensor"
+        elif advantages.numel() != len(handles):
+            error = f"advantages has {advantages.numel()} values for {len(handles)} handles"
+        elif not bool(torch.isfinite(advantages).all()):
+            error = "advantages must be finite"
+        else:
+            owner = handles.rank.cpu() if isinstance(handles, DistributedHandles) else \
+                torch.full_like(handles.slot.cpu(), self.rank)
+            if owner.numel() and (int(owner.min()) < 0 or int(owner.max()) >= self.world_size):
+                error = f"handles.rank outside [0, {self.world_size})"
+            elif self.mode == "local" and bool((owner != self.rank).any()):
+                error = f"local mode: handles must belong to this rank ({self.rank})"
+        if self.mode == "local":
+            if error is not None:
+                raise ValueError(error)
+            return self.buffer.update_priorities(Handles(handles.slot, handles.generation), advantages)
+        self._exchange("update_priorities: check", 0, error)
+        adv = advantages.detach().cpu().reshape(-1).to(torch.float64)
+        order = torch.argsort(owner, stable=True)
+        send = torch.stack([handles.slot.cpu()[order], handles.generation.cpu()[order],
+                            adv[order].view(torch.int64)], 1)
+        send_counts = torch.bincount(owner, minlength=self.world_size)
+        recv_counts = self._all_to_all("update_priorities: counts", send_counts.reshape(-1, 1),
+                                       [1] * self.world_size, [1] * self.world_size,
+                                       payload=False).reshape(-1).cpu().tolist()
+        got = self._all_to_all("update_priorities: updates", send, send_counts.tolist(), recv_counts,
+                               payload=False).cpu()
+        return self.buffer.update_priorities(Handles(got[:, 0].clone(), got[:, 1].clone()),
+                                             got[:, 2].contiguous().view(torch.float64))
+
+    # ------------------------------------------------------------------------------ versions
+    def advance(self, policy_version: int) -> int:
+        """Collective: set the policy version on every rank and evict rollouts past `max_staleness`.
+
+        Every rank must pass the same version, and no shard may already hold a newer one. Returns
+        the number of rollouts this rank's shard evicted.
+        """
+        error = None
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            error = f"policy_version must be an int, got {type(policy_version).__name__}"
+        v = policy_version if error is None else 0
+        # One MAX reduce: [bad flag, v, -v (min via max of negatives), this shard's version].
+        flags = torch.tensor([0 if error is None else 1, v, -v, self.buffer.version], dtype=torch.int64,
+                             device=self.comm_device)
+        self._collective("advance", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        self._counters["dist_control_bytes_sent"] += flags.numel() * 8
+        bad, v_max, neg_v_min, version_max = flags.cpu().tolist()
+        if error is not None:
+            raise TypeError(error)
+        if bad:
+            raise ReplayError(f"rank {self.rank}: advance aborted because another rank passed a bad policy_version")
+        if v_max != -neg_v_min:
+            raise ValueError(f"policy_version must be the same on every rank, got values from {-neg_v_min} to {v_max}")
+        if version_max > policy_version:
+            raise ValueError(f"policy_version must not go backwards: {policy_version} < {version_max} "
+                             "(the newest version already held by some shard)")
+        return self.buffer.advance(policy_version)
+
+    # ------------------------------------------------------------------------------ metrics
+    def metrics(self, global_: bool = False) -> dict[str, float]:
+        """This shard's `RolloutBuffer.metrics()` plus distributed counters (`dist_*`: sample calls,
+        rollouts received by / served from this rank, payload and control bytes sent to other ranks).
+
+        `global_=True` is a collective (one all_reduce) returning job-wide figures: counts, bytes
+        and histograms summed; `age_max`, `policy_version`, `sample_calls` maxed; `age_mean`,
+        `reuse_mean` weighted by shard size; `ess_fraction` averaged over ranks.
+        """
+        out = self.buffer.metrics()
+        out.update(self._counters)
+        out["dist_ess_fraction"] = self._last_ess
+        if self.mode == "global":
+            # The shard's own sample() is bypassed in global mode; report what this rank received.
+            out["sampled_replay"] = self._counters["dist_received"]
+            out["sample_calls"] = self._counters["dist_sample_calls"]
+            out["ess_fraction"] = self._last_ess
+        if not global_:
+            return {**out, "rank": self.rank, "world_size": self.world_size}
+        keys = sorted(out)
+        rows = self._gather_rows("metrics", torch.tensor([float(out[k]) for k in keys], dtype=torch.float64))
+        col = {k: rows[:, i] for i, k in enumerate(keys)}
+        size = col["size"]
+        result: dict[str, float] = {}
+        for k in keys:
+            c = col[k]
+            if k in ("age_max", "policy_version", "sample_calls", "dist_sample_calls"):
+                result[k] = float(c.max())
+            elif k in ("age_mean", "reuse_mean"):
+                result[k] = float((c * size).sum() / size.sum()) if float(size.sum()) else 0.0
+            elif k in ("ess_fraction", "dist_ess_fraction"):
+                result[k] = float(c.nanmean()) if bool((~c.isnan()).any()) else math.nan
+            else:
+                result[k] = float(c.sum())
+        result["world_size"] = self.world_size
+        return result
+
