@@ -858,15 +858,18 @@ class RolloutBuffer:
                        checkpoint=checkpoint, lazy=lazy, progress=progress, **kwargs)
 
     def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
-                          reprioritize=None, progress: bool = False) -> Handles:
+                          reprioritize=None, progress: bool = False, select=None,
+                          keep_reuse: bool = False) -> Handles:
         """Seed this buffer with another run's rollouts (read-only: nothing there is changed).
 
         Policy versions are shifted by `version_offset`; `reprioritize(batch: dict) -> advantages`
-        may replace their advantages (e.g. rescored by the current critic). Returns their handles."""
+        may replace their advantages (e.g. rescored by the current critic). `select(i, n)` takes
+        only some of the checkpoint's n shards (e.g. one rank's share); `keep_reuse` carries use
+        counts over. Returns the new rollouts' handles."""
         from torchreplay.checkpoint.restore import import_rollouts
 
         return import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
-                               reprioritize=reprioritize, progress=progress)
+                               reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse)
 
     def close(self) -> None:
         """Finish background work (spills, prefetch), publish a final checkpoint, release files."""

@@ -134,8 +134,13 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
 
 def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | None, version_offset: int,
                     reprioritize: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
-                    progress: bool) -> "Handles":
-    """Add another run's live rollouts as new rollouts of this buffer (nothing is written there)."""
+                    progress: bool, select: Callable[[int, int], bool] | None = None,
+                    keep_reuse: bool = False) -> "Handles":
+    """Add another run's live rollouts as new rollouts of this buffer (nothing is written there).
+
+    `select(index, count)` picks which of the checkpoint's shards (by position in its manifest)
+    to take, e.g. `lambda i, n: i % world == rank` to split a checkpoint over ranks. `keep_reuse`
+    carries the rollouts' use counts over."""
     from torchreplay.buffer import _TABLE_FIELDS, Handles
 
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
@@ -144,6 +149,9 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     manifest = read_manifest(store)
     state = load_state(store, manifest)
     table = state["table"]
+    if select is not None:
+        count = len(manifest["shards"])
+        manifest = dict(manifest, shards=[s for i, s in enumerate(manifest["shards"]) if select(i, count)])
     paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
     handles = []
     try:
@@ -169,7 +177,11 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
                     raise ValueError("reprioritize must return one advantage per imported rollout")
                 batch["advantage"] = new_adv.to(torch.float32)
             if slots.numel():
-                handles.append(buffer.add(batch))
+                added = buffer.add(batch)
+                if keep_reuse:
+                    buffer._table.reuse[added.slot] = table["reuse"][slots]
+                    buffer._evict_overused(added.slot)
+                handles.append(added)
     finally:
         for path in paths.values():
             try:
