@@ -34,18 +34,45 @@ void update(const Layout& L, scalar_t* leaves, double* sums, double* mins, const
   if (n == 0) return;
   for (int64_t i = 0; i < n; ++i) leaves[indices[i]] = priorities[i];
 
-  std::vector<int64_t> nodes(indices, indices + n);
-  // Stratified samples come back sorted, so sample-then-update skips the sort entirely.
-  if (!std::is_sorted(nodes.begin(), nodes.end())) std::sort(nodes.begin(), nodes.end());
-  for (int d = L.depth - 1; d >= 0; --d) {
-    // Children -> parents keeps the list sorted; adjacent de-duplication is then exact.
+  // The bottom internal level's touched nodes, sorted and unique, found the cheapest way:
+  // stratified samples come back sorted (sample-then-update needs no sort at all); a batch that is
+  // large next to the tree is bucketed through a bitmap, O(n + nodes); otherwise sorted.
+  const int bottom = L.depth - 1;
+  std::vector<int64_t> nodes;
+  nodes.reserve(static_cast<size_t>(std::min<int64_t>(n, L.level_nodes[bottom])));
+  if (std::is_sorted(indices, indices + n)) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t parent = indices[i] / kArity;
+      if (nodes.empty() || nodes.back() != parent) nodes.push_back(parent);
+    }
+  } else if (L.level_nodes[bottom] <= 32 * n) {
+    std::vector<uint8_t> touched(static_cast<size_t>(L.level_nodes[bottom]), 0);
+    for (int64_t i = 0; i < n; ++i) touched[indices[i] / kArity] = 1;
+    for (int64_t j = 0; j < L.level_nodes[bottom]; ++j) {
+      if (touched[j]) nodes.push_back(j);
+    }
+  } else {
+    nodes.assign(indices, indices + n);
+    std::sort(nodes.begin(), nodes.end());
     int64_t unique = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(nodes.size()); ++i) {
-      int64_t parent = nodes[i] / kArity;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t parent = nodes[i] / kArity;
       if (unique == 0 || nodes[unique - 1] != parent) nodes[unique++] = parent;
     }
     nodes.resize(unique);
-    parallel_for(0, unique, 2048, [&](int64_t begin, int64_t end) {
+  }
+  for (int d = bottom; d >= 0; --d) {
+    if (d < bottom) {
+      // Children -> parents keeps the list sorted; adjacent de-duplication is then exact.
+      int64_t unique = 0;
+      for (int64_t i = 0; i < static_cast<int64_t>(nodes.size()); ++i) {
+        const int64_t parent = nodes[i] / kArity;
+        if (unique == 0 || nodes[unique - 1] != parent) nodes[unique++] = parent;
+      }
+      nodes.resize(unique);
+    }
+    const int64_t count = static_cast<int64_t>(nodes.size());
+    parallel_for(0, count, 2048, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) recompute_node(L, leaves, sums, mins, d, nodes[i]);
     });
   }
