@@ -1,8 +1,10 @@
 """DistributedRolloutBuffer over gloo on the CPU: global sampling frequencies, local-mode IS weights,
-payload integrity, collective argument checks, version/metrics agreement, dead and stalled peers.
+payload integrity, collective argument checks, version/metrics agreement, dead and stalled peers,
+checkpoints and resumes on the same and on a different world size.
 
 Process start-up dominates the cost, so each job runs several scenarios and
-writes one JSON result per rank; the tests below assert on those results. Two jobs of 2 ranks each.
+writes one JSON result per rank; the tests below assert on those results. Two jobs of 2 ranks
+each, and one chain of checkpoint jobs (4 ranks -> 2 -> 3 -> 3) sharing one file:// run prefix.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def shard_batch(rank: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ process harness
-def _entry(rank: int, world: int, init_file: str, out_dir: str, job: str, timeout_s: float) -> None:
+def _entry(rank: int, world: int, init_file: str, out_dir: str, job: str, timeout_s: float,
+           job_args: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     tests_dir = str(Path(__file__).parent)
@@ -56,7 +59,7 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, job: str, timeou
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        JOBS[job](rank, world, result)
+        JOBS[job](rank, world, result, **job_args)
         result["ok"] = True
     except BaseException:  # reported to the parent, which fails the test with it
         result["ok"] = False
@@ -66,14 +69,16 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, job: str, timeou
     os._exit(0)
 
 
-def run_job(job: str, world: int, tmp_path: Path, timeout_s: float = 30.0) -> tuple[list[dict], list[int]]:
+def run_job(job: str, world: int, tmp_path: Path, timeout_s: float = 30.0,
+            job_args: dict[str, Any] | None = None) -> tuple[list[dict], list[int]]:
     import torch.multiprocessing as mp
 
     # fork, not spawn: a spawned child re-imports torch, which costs ~5-10 s per rank on 2 loaded
     # cores. The parent never builds a process group, and children drop to one intra-op thread first.
     ctx = mp.get_context("fork")
     init_file = tmp_path / f"{job}.init"
-    procs = [ctx.Process(target=_entry, args=(r, world, str(init_file), str(tmp_path), job, timeout_s))
+    procs = [ctx.Process(target=_entry, args=(r, world, str(init_file), str(tmp_path), job, timeout_s,
+                                              job_args or {}))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -285,7 +290,113 @@ def _job_failures(rank: int, world: int, out: dict) -> None:
     out["after_error"] = expect_raise(lambda: dying.metrics(global_=True), tr.ReplayError)
 
 
-JOBS = {"main": _job_main, "failures": _job_failures}
+# ------------------------------------------------------------------------------ checkpoint jobs
+CKPT_INTERVAL_S = 3600.0  # no background manifests: every publish in these jobs is an explicit checkpoint()
+CKPT_CAPACITY = 40  # the resumed shards: 4 -> 2 ranks doubles each one's share
+
+
+def live_rollouts(buffer: Any) -> list[dict]:
+    """Every live rollout of a RolloutBuffer shard, in slot order, with what must survive a resume."""
+    t = buffer._table
+    slots = t.live.nonzero().flatten()
+    if not slots.numel():
+        return []
+    b = buffer.gather(slots, count_use=False)
+    out = []
+    for k, s in enumerate(slots.tolist()):
+        n = int(b.attention_mask[k].sum())
+        out.append({"slot": s, "group_id": int(t.group_id[s]), "tokens": b.tokens[k, :n].tolist(),
+                    "logprobs": b.logprobs[k, :n].tolist(), "reward": float(t.reward[s]),
+                    "advantage": float(t.advantage[s]), "policy_version": int(t.policy_version[s]),
+                    "reuse": int(t.reuse[s]), "prompt_len": int(t.prompt_len[s])})
+    return out
+
+
+def unique_batch(n: int, version: int, seed: int, first_id: int) -> dict:
+    from rollouts import make_batch
+
+    batch = make_batch(n, version=version, seed=seed)
+    batch["group_id"] = first_id + torch.arange(n)  # one id per rollout: its identity across resumes
+    return batch
+
+
+def _ckpt_sampler() -> Any:
+    import torchreplay as tr
+
+    return tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS)
+
+
+def _job_ckpt_origin(rank: int, world: int, out: dict, uri: str) -> None:
+    """4 ranks: fill, sample (use counts, reuse evictions), reprioritize, checkpoint."""
+    import torchreplay as tr
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer(mode="global", capacity=24, checkpoint_uri=uri, checkpoint_interval_s=CKPT_INTERVAL_S,
+                                   sampler=_ckpt_sampler(), max_reuse=3, max_staleness=4)
+    for step in range(3):  # three adds: three storage shards per rank, of different sizes per rank
+        buf.add(unique_batch(3 + rank, version=step, seed=10 * rank + step, first_id=1000 * rank + 100 * step))
+    buf.advance(2)
+    gen = torch.Generator().manual_seed(5 + rank)
+    for _ in range(4):
+        b = buf.sample(6, generator=gen)
+    buf.update_priorities(b.handles, torch.linspace(-2.0, 3.0, 6) + rank)
+    buf.checkpoint()
+    out["generation"] = buf.generation
+    out["live"] = live_rollouts(buf.buffer)
+    out["evicted_reuse"] = buf.metrics()["evicted_reuse"]
+    # A fresh buffer must not start over a prefix holding a complete checkpoint.
+    out["err_fresh_over_checkpoint"] = expect_raise(
+        lambda: DistributedRolloutBuffer(capacity=8, checkpoint_uri=uri), ValueError, tr.ReplayError)
+
+
+def _job_ckpt_to_two(rank: int, world: int, out: dict, uri: str) -> None:
+    """2 ranks resume the 4-rank checkpoint, then keep going and checkpoint again."""
+    import torchreplay as tr
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    # Too small a capacity fails on every rank before anything is imported (it leaves generation 1
+    # recorded but never complete, which later resumes must skip).
+    out["err_capacity"] = expect_raise(
+        lambda: DistributedRolloutBuffer.from_checkpoint(uri, mode="global", capacity=10,
+                                                         checkpoint_interval_s=CKPT_INTERVAL_S), ValueError)
+    out["err_checkpoint_kwarg"] = expect_raise(
+        lambda: DistributedRolloutBuffer.from_checkpoint(uri, capacity=10, checkpoint=True), TypeError)
+    buf = DistributedRolloutBuffer.from_checkpoint(uri, mode="global", capacity=CKPT_CAPACITY,
+                                                   checkpoint_interval_s=CKPT_INTERVAL_S)
+    out["generation"] = buf.generation
+    out["version"] = buf.version
+    out["sampler"] = type(buf.buffer.sampler).__name__
+    out["max_reuse"] = buf.buffer.max_reuse
+    out["live"] = live_rollouts(buf.buffer)
+    buf.add(unique_batch(4, version=3, seed=70 + rank, first_id=10_000 + 1000 * rank))
+    buf.advance(3)
+    gen = torch.Generator().manual_seed(9 + rank)
+    for _ in range(3):
+        buf.sample(5, generator=gen)
+    buf.checkpoint()
+    out["live_after"] = live_rollouts(buf.buffer)
+    assert isinstance(buf.buffer.checkpointer, tr.Checkpointer)
+
+
+def _job_ckpt_to_three(rank: int, world: int, out: dict, uri: str) -> None:
+    """3 ranks resume the 2-rank checkpoint (reshard), or a 3-rank one (same world size, exact);
+    then draw one seeded global sample."""
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer.from_checkpoint(uri, mode="global", capacity=CKPT_CAPACITY,
+                                                   checkpoint_interval_s=CKPT_INTERVAL_S)
+    out["generation"] = buf.generation
+    out["version"] = buf.version
+    out["live"] = live_rollouts(buf.buffer)
+    out["tree"] = buf.buffer.sampler.tree.priorities[: CKPT_CAPACITY].tolist()
+    b = buf.sample(7, generator=torch.Generator().manual_seed(300 + rank))
+    out["next_sample"] = {"rank": b.handles.rank.tolist(), "slot": b.handles.slot.tolist(),
+                          "group_id": b.group_id.tolist(), "weights": b.weights.tolist(),
+                          "tokens": b.tokens.tolist(), "reuse": b.reuse.tolist()}
+
+
+JOBS = {"main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
+        "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -411,3 +522,117 @@ def test_constructor_needs_an_initialized_process_group():
     if not torch.distributed.is_initialized():
         with pytest.raises(tr.ReplayError, match="init_process_group"):
             DistributedRolloutBuffer(capacity=4)
+
+
+# ------------------------------------------------------------------------------ checkpoint tests
+@pytest.fixture(scope="module")
+def ckpt_chain(tmp_path_factory) -> dict[str, Any]:
+    """One run prefix: 4 ranks checkpoint; 2 resume (reshard) and checkpoint; 3 resume (reshard);
+    3 resume the 3-rank checkpoint (same world size)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    uri = f"file://{root}/run"
+    out: dict[str, Any] = {"uri": uri}
+    for name, job, world in (("origin", "ckpt_origin", 4), ("two", "ckpt_to_two", 2), ("three", "ckpt_to_three", 3),
+                             ("same", "ckpt_to_three", 3)):
+        t0 = time.monotonic()
+        (root / name).mkdir()
+        results, codes = run_job(job, world, root / name, job_args={"uri": uri})
+        for r, res in enumerate(results):
+            assert res.get("ok"), f"{name}: rank {r} failed (exit {codes[r]}):\n{res.get('traceback')}"
+        out[name] = results
+        out[f"{name}_s"] = time.monotonic() - t0
+    return out
+
+
+def _by_id(per_rank: list[list[dict]]) -> dict[int, dict]:
+    """Rollouts of all ranks keyed by their (unique) group id; fails on any duplicate."""
+    out: dict[int, dict] = {}
+    for rollouts in per_rank:
+        for r in rollouts:
+            assert r["group_id"] not in out, f"rollout {r['group_id']} is on two ranks"
+            out[r["group_id"]] = r
+    return out
+
+
+def _same_rollouts(old: list[list[dict]], new: list[list[dict]]) -> None:
+    """Nothing lost, nothing duplicated, every carried field intact (slots may differ)."""
+    fields = ("tokens", "logprobs", "reward", "advantage", "policy_version", "reuse", "prompt_len")
+    a, b = _by_id(old), _by_id(new)
+    assert sorted(a) == sorted(b), (f"lost {sorted(set(a) - set(b))}, appeared {sorted(set(b) - set(a))}")
+    for gid in a:
+        for f in fields:
+            assert a[gid][f] == b[gid][f], (gid, f)
+
+
+def test_reshard_four_to_two_loses_and_duplicates_nothing(ckpt_chain):
+    origin, two = ckpt_chain["origin"], ckpt_chain["two"]
+    old = [res["live"] for res in origin]
+    assert sum(len(x) for x in old) > 30 and sum(res["evicted_reuse"] for res in origin) > 0
+    assert {r["reuse"] for x in old for r in x} >= {0, 1}  # use counts of several values to carry
+    _same_rollouts(old, [res["live"] for res in two])
+    for res in two:
+        # Generation 1 was recorded by the failed (capacity) attempt and never completed.
+        assert res["generation"] == 2 and res["version"] == 2
+        assert res["sampler"] == "PrioritizedSampler" and res["max_reuse"] == 3  # config from the checkpoint
+        assert 0 < len(res["live"]) <= CKPT_CAPACITY
+    sizes = [len(res["live"]) for res in two]
+    assert abs(sizes[0] - sizes[1]) <= 6  # at most one storage shard's worth apart
+
+
+def test_reshard_two_to_three_loses_and_duplicates_nothing(ckpt_chain):
+    old = [res["live_after"] for res in ckpt_chain["two"]]
+    assert any(r["policy_version"] == 3 for x in old for r in x)  # rollouts added after the first resume
+    three = ckpt_chain["three"]
+    _same_rollouts(old, [res["live"] for res in three])
+    for res in three:
+        assert res["generation"] == 3 and res["version"] == 3 and len(res["live"]) > 0
+
+
+def test_resume_on_the_same_world_size_is_exact(ckpt_chain):
+    three, same = ckpt_chain["three"], ckpt_chain["same"]
+    for r in range(3):
+        assert same[r]["generation"] == 3  # keeps checkpointing where it resumed from
+        assert same[r]["live"] == three[r]["live"]  # slots included
+        assert same[r]["tree"] == three[r]["tree"]
+        assert same[r]["next_sample"] == three[r]["next_sample"]
+    assert {o for r in range(3) for o in three[r]["next_sample"]["rank"]} == {0, 1, 2}
+
+
+def test_resume_leaves_older_generations_intact_and_refuses_bad_calls(ckpt_chain):
+    import torchreplay as tr
+    from torchreplay.distributed import newest_complete_generation, rank_uri
+
+    uri = ckpt_chain["uri"]
+    assert newest_complete_generation(uri) == (3, 3)
+    # The 4-rank checkpoint is still whole after the job resumed from it twice.
+    restored = []
+    for r in range(4):
+        buf = tr.RolloutBuffer.from_checkpoint(rank_uri(uri, 0, r), progress=False)
+        restored.append(live_rollouts(buf))
+        buf.close()
+    assert restored == [res["live"] for res in ckpt_chain["origin"]]
+    assert ckpt_chain["origin"][0]["err_fresh_over_checkpoint"].startswith("ValueError") and \
+        "from_checkpoint" in ckpt_chain["origin"][0]["err_fresh_over_checkpoint"]
+    assert all("rank(s) [0]" in res["err_fresh_over_checkpoint"] for res in ckpt_chain["origin"][1:])
+    for res in ckpt_chain["two"]:
+        assert "capacity" in res["err_capacity"] and "pass capacity >=" in res["err_capacity"]
+        assert "checkpoint_uri" in res["err_checkpoint_kwarg"]
+
+
+def test_plan_reshard_assigns_every_shard_once_and_balances():
+    from torchreplay.distributed import plan_reshard
+
+    live = [[5, 1, 9], [], [3, 3, 3, 8], [2]]
+    for world in (1, 2, 3, 7):
+        owner = plan_reshard(live, world)
+        assert [len(o) for o in owner] == [len(x) for x in live]
+        loads = [0] * world
+        for rows, owners in zip(live, owner):
+            for n, r in zip(rows, owners):
+                assert 0 <= r < world
+                loads[r] += n
+        assert sum(loads) == sum(map(sum, live))
+        assert max(loads) - min(loads) <= max(map(max, filter(None, live)))
+        assert plan_reshard(live, world) == owner  # deterministic
+    with pytest.raises(ValueError, match="world_size"):
+        plan_reshard(live, 0)

@@ -48,15 +48,38 @@ arrive within the process group's `timeout`, as set in `init_process_group(timeo
 `new_group(timeout=...)`) becomes a `ReplayError` naming the step, the rank and the likely cause, and
 the buffer refuses further collectives.
 
-Checkpointing with resharding is not implemented yet. Each shard is a plain `RolloutBuffer`, so its
-`state_dict()` is the per-rank state; resharding would re-add live rollouts by owner, which the packed
-per-field payload format here already supports.
+Checkpoints. With `checkpoint_uri`, every rank's shard checkpoints through its own `Checkpointer`
+(background shard uploads, a manifest every `checkpoint_interval_s` seconds and on `checkpoint()`).
+Layout under the run prefix::
+
+    state/generation-<g>.json     {"generation": g, "world_size": W, "parent": g' or null, ...};
+                                  written by rank 0 before any rank of generation g publishes
+    gen-<g>/rank-<r>/...          rank r's checkpoint in generation g (the `Checkpointer` layout:
+                                  shards/, state/, manifests/, LATEST)
+
+A generation is one lineage of one world size. It is *complete* once every one of its W ranks has
+published a manifest (its `LATEST` exists); a reader resumes from the newest complete generation,
+so a generation whose ranks had not all published when the job died is skipped and its parent is
+still whole. `from_checkpoint` on the same world size restores each rank exactly from its own
+directory and keeps checkpointing there. On a different world size it starts generation g + 1 (one
+above the newest record, complete or not) and nothing writes the old generation again: every new
+rank imports a disjoint set of whole old shards (storage shards, i.e. the rollouts of one `add`
+call; each goes to exactly one new rank), carrying advantages, policy versions, group ids and use
+counts; then every rank publishes once, which makes the new generation complete. Old generations
+are never deleted by torchreplay; delete `gen-<g>/` yourself once a newer generation is complete.
+Do not point a plain `Checkpointer` at the run prefix itself: its garbage collection would remove
+the generation records in `state/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import heapq
+import json
 import math
+import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,7 +87,9 @@ import torch
 import torch.distributed as dist
 
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
-from torchreplay.errors import ReplayError
+from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
+from torchreplay.checkpoint.store import ObjectStore
+from torchreplay.errors import CheckpointError, ReplayError
 from torchreplay.samplers import PNewestSampler, TreeSampler
 from torchreplay.schema import ROLLOUT, TOKEN
 
@@ -75,6 +100,9 @@ _ONE_BELOW_ONE = math.nextafter(1.0, 0.0)
 # Per-rollout fields the receiver rebuilds from the owner's slot table.
 _META_INT = ("status", "length", "slot", "generation", "reuse", "age", "prompt_len", "group_id", "policy_version")
 _META_FLOAT = ("priority", "reward", "advantage")
+# Generation records of the checkpoint layout (module docstring, "Checkpoints").
+_GENERATION_KEY = re.compile(r"^state/generation-([0-9]{1,9})\.json$")
+_LAYOUT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -125,36 +153,186 @@ def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def _fingerprint(text: str) -> float:
+    """48 bits of a SHA-256, as a float64 (exact) for the per-call tables."""
+    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big"))
+
+
+# ------------------------------------------------------------------------------ checkpoint layout
+def rank_uri(uri: str, generation: int, rank: int) -> str:
+    """Where rank `rank` of generation `generation` checkpoints under the run prefix `uri`."""
+    return f"{uri.rstrip('/')}/gen-{generation}/rank-{rank}"
+
+
+def _generation_records(store: ObjectStore) -> dict[int, int]:
+    """generation -> world size, from the records under the run prefix's `state/`."""
+    out: dict[int, int] = {}
+    for key in store.list("state"):
+        m = _GENERATION_KEY.match(key)
+        if m is None:
+            continue
+        try:
+            record = json.loads(store.get(key))
+        except ValueError as exc:
+            raise CheckpointError(f"{store.uri}/{key} is not valid JSON") from exc
+        generation = int(m.group(1))
+        world = record.get("world_size") if isinstance(record, dict) else None
+        if (not isinstance(record, dict) or record.get("generation") != generation
+                or isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise CheckpointError(f"{store.uri}/{key} is not a generation record of generation {generation}: {record!r}")
+        out[generation] = world
+    return out
+
+
+def _missing_ranks(uri: str, generation: int, world: int, endpoint_url: str | None) -> list[int]:
+    return [r for r in range(world) if not open_store(rank_uri(uri, generation, r), endpoint_url).exists("LATEST")]
+
+
+def newest_complete_generation(uri: str, endpoint_url: str | None = None) -> tuple[int, int]:
+    """(generation, world size) of the newest generation under `uri` in which every rank has
+    published a manifest. Raises CheckpointError when there is none."""
+    records = _generation_records(open_store(uri, endpoint_url))
+    incomplete = []
+    for generation in sorted(records, reverse=True):
+        missing = _missing_ranks(uri, generation, records[generation], endpoint_url)
+        if not missing:
+            return generation, records[generation]
+        incomplete.append(f"generation {generation} (world size {records[generation]}) lacks rank(s) {missing}")
+    detail = "; ".join(incomplete) if incomplete else "no generation records under state/"
+    raise CheckpointError(f"no complete DistributedRolloutBuffer checkpoint under {uri}: {detail}")
+
+
+def _start_generation(uri: str, world: int, parent: int | None, endpoint_url: str | None) -> int:
+    """Write the record of a new generation one above every existing one; returns its number.
+
+    Without a parent (a fresh buffer) a prefix that already holds a complete generation is refused:
+    the new generation would hide it from `from_checkpoint` once complete."""
+    store = open_store(uri, endpoint_url)
+    records = _generation_records(store)
+    if parent is None:
+        complete = [g for g in sorted(records, reverse=True) if not _missing_ranks(uri, g, records[g], endpoint_url)]
+        if complete:
+            raise ValueError(f"checkpoint_uri {uri} already holds a complete checkpoint (generation {complete[0]}, "
+                             f"world size {records[complete[0]]}): resume it with "
+                             "DistributedRolloutBuffer.from_checkpoint, or use a new prefix")
+    generation = max(records, default=-1) + 1
+    record = {"format_version": _LAYOUT_VERSION, "generation": generation, "world_size": world, "parent": parent,
+              "created_unix_s": time.time()}
+    store.put(f"state/generation-{generation}.json", json.dumps(record).encode())
+    return generation
+
+
+def plan_reshard(live_rows: list[list[int]], world_size: int) -> list[list[int]]:
+    """Assign every old storage shard to exactly one new rank.
+
+    `live_rows[o][i]` is the live rollouts of shard i (manifest order) of old rank o; returns
+    `owner[o][i]`, the new rank that imports it. Largest shard first to the least loaded new rank
+    (ties: lower old rank and index, then lower new rank), so the shares differ by at most one
+    shard's rollouts; a plain round robin over shards could put several large ones on one rank
+    and overflow its capacity. Deterministic: every rank computes the same plan.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    owner = [[-1] * len(rows) for rows in live_rows]
+    loads = [(0, r) for r in range(world_size)]  # (live rollouts, new rank), a min-heap
+    pairs = sorted(((-n, o, i) for o, rows in enumerate(live_rows) for i, n in enumerate(rows)))
+    for neg_n, o, i in pairs:
+        load, r = heapq.heappop(loads)
+        owner[o][i] = r
+        heapq.heappush(loads, (load - neg_n, r))
+    return owner
+
+
+def _check_checkpoint_args(uri: str | None, interval_s: float, endpoint_url: str | None,
+                           buffer_kwargs: dict[str, Any], required: bool = False) -> None:
+    if uri is None and required:
+        raise TypeError("uri must be a str (file:///abs/path or s3://bucket/prefix), got None")
+    if uri is not None:
+        if not isinstance(uri, str):
+            raise TypeError(f"checkpoint uri must be a str, got {type(uri).__name__}")
+        if not uri.startswith(("file:///", "s3://")):
+            raise ValueError(f"checkpoint uri must be file:///abs/path or s3://bucket/prefix, got {uri!r}")
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
+        raise ValueError(f"checkpoint_interval_s must be a number > 0, got {interval_s!r}")
+    if endpoint_url is not None and not isinstance(endpoint_url, str):
+        raise TypeError(f"endpoint_url must be a str or None, got {type(endpoint_url).__name__}")
+    if "checkpoint" in buffer_kwargs:
+        raise TypeError("DistributedRolloutBuffer builds each rank's Checkpointer itself: pass checkpoint_uri "
+                        "(and checkpoint_interval_s), not checkpoint=")
+
+
+def _check_sampler(buffer: RolloutBuffer, mode: str) -> None:
+    if mode == "global" and (not isinstance(buffer.sampler, TreeSampler) or isinstance(buffer.sampler, PNewestSampler)):
+        raise TypeError("mode='global' needs a proportional tree sampler (PrioritizedSampler, "
+                        f"FreshnessSampler or UniformSampler), got {type(buffer.sampler).__name__}")
+
+
+def _discard(buffer: RolloutBuffer | None) -> None:
+    """Drop a shard built by a failed collective call: no final checkpoint, files released."""
+    if buffer is None:
+        return
+    ckpt, buffer.checkpointer = buffer.checkpointer, None
+    if ckpt is not None:
+        with contextlib.suppress(CheckpointError):
+            ckpt.close(final=False)
+    buffer.close()
+
+
 class DistributedRolloutBuffer:
     """A `RolloutBuffer` shard on every rank of `process_group`, sampled locally or globally.
 
     Collectives (call them on every rank of the group, in the same order): the constructor,
-    `sample`, `shard_stats`, `advance`, `metrics(global_=True)`, and `update_priorities` in global
-    mode. `add`, `len()` and `metrics()` are local.
+    `from_checkpoint`, `checkpoint`, `sample`, `shard_stats`, `advance`, `metrics(global_=True)`,
+    and `update_priorities` in global mode. `add`, `len()`, `metrics()` and `close()` are local.
 
     Args:
         process_group: the group to run over (None: the default group). Its `timeout` bounds how long
             a call waits for a dead or stalled peer before raising `ReplayError`.
         mode: "local" (sample the own shard, weights normalized globally, no payload traffic) or
             "global" (exact prioritized sampling over all shards; payloads move by all_to_all).
+        checkpoint_uri: run prefix ("file:///abs/path" or "s3://bucket/prefix") under which every
+            rank checkpoints its shard (layout in the module docstring); None: no checkpoints. A
+            prefix that already holds a complete checkpoint is refused: resume it with
+            `from_checkpoint`.
+        checkpoint_interval_s: seconds between each rank's automatic background manifests
+            (checked on buffer calls); `checkpoint()` publishes on every rank at once.
+        endpoint_url: S3 endpoint for `checkpoint_uri` (else AWS_ENDPOINT_URL / the AWS config).
         **buffer_kwargs: passed to the local `RolloutBuffer` (capacity, sampler, max_staleness, ...).
             Must be the same on every rank (checked at construction). Global mode needs a
             proportional tree sampler (`PrioritizedSampler`, `FreshnessSampler`, `UniformSampler`).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, mode: str = "local",
-                 **buffer_kwargs: Any) -> None:
+                 checkpoint_uri: str | None = None, checkpoint_interval_s: float = 60.0,
+                 endpoint_url: str | None = None, **buffer_kwargs: Any) -> None:
+        _check_checkpoint_args(checkpoint_uri, checkpoint_interval_s, endpoint_url, buffer_kwargs)
+        self._bind(process_group, mode)
+        buffer = RolloutBuffer(**buffer_kwargs)
+        _check_sampler(buffer, mode)
+        self.buffer = buffer
+        error: BaseException | None = None
+        generation = -1
+        if checkpoint_uri is not None and self.rank == 0:
+            try:
+                generation = _start_generation(checkpoint_uri, self.world_size, None, endpoint_url)
+            except Exception as e:  # noqa: BLE001 - raised after the collective, so peers do not wait
+                error = e
+        rows = self._check_same_config(error, checkpoint_uri, [generation])
+        self.checkpoint_uri = checkpoint_uri
+        self.generation: int | None = None
+        if checkpoint_uri is not None:
+            self.generation = int(rows[0, 2])
+            self._attach_checkpointer(Checkpointer(rank_uri(checkpoint_uri, self.generation, self.rank),
+                                                   interval_s=checkpoint_interval_s, endpoint_url=endpoint_url))
+
+    def _bind(self, process_group: dist.ProcessGroup | None, mode: str) -> None:
+        """Validate the mode and the process group; set the communication state (no collective)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ReplayError("DistributedRolloutBuffer needs torch.distributed initialized "
                               "(call torch.distributed.init_process_group first)")
-        buffer = RolloutBuffer(**buffer_kwargs)
-        if mode == "global" and (not isinstance(buffer.sampler, TreeSampler)
-                                 or isinstance(buffer.sampler, PNewestSampler)):
-            raise TypeError("mode='global' needs a proportional tree sampler (PrioritizedSampler, "
-                            f"FreshnessSampler or UniformSampler), got {type(buffer.sampler).__name__}")
-        self.buffer = buffer
+        self.buffer: RolloutBuffer = None  # type: ignore[assignment]  # set once built
         self.mode = mode
         self.group = process_group
         self.rank = dist.get_rank(process_group)
@@ -169,7 +347,17 @@ class DistributedRolloutBuffer:
             "dist_payload_bytes_sent": 0, "dist_control_bytes_sent": 0,
         }
         self._last_ess = math.nan
-        self._check_same_config()
+        self.checkpoint_uri = None
+        self.generation = None
+
+    def _attach_checkpointer(self, ckpt: Checkpointer) -> None:
+        """Checkpoint the local shard through `ckpt` from now on; shards it already holds are
+        uploaded in the background (the next manifest waits for them)."""
+        buffer = self.buffer
+        buffer.checkpointer = ckpt
+        ckpt.attach(buffer)
+        for sid in buffer._live_shards()[0]:
+            ckpt.shard_sealed(sid)
 
     # ------------------------------------------------------------------------------ plumbing
     def _collective(self, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -216,22 +404,41 @@ class DistributedRolloutBuffer:
         self._counters["dist_payload_bytes_sent" if payload else "dist_control_bytes_sent"] += moved
         return out
 
-    def _config_fingerprint(self) -> int:
+    def _config_fingerprint(self, checkpoint_uri: str | None) -> float:
         b = self.buffer
         sampler = b.sampler
         cfg = sampler.config() if hasattr(sampler, "config") else {"per_group": getattr(sampler, "per_group", None)}
         fields = sorted((n, s.kind, str(s.dtype), s.shape, s.required) for n, s in b.fields.items())
-        text = repr((self.mode, b.capacity, b.max_staleness, b.max_reuse, b.overflow, b.padding_side,
-                     b.pad_token_id, fields, type(sampler).__name__, sorted(cfg.items())))
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")  # fits float64 exactly
+        return _fingerprint(repr((self.mode, b.capacity, b.max_staleness, b.max_reuse, b.overflow, b.padding_side,
+                                  b.pad_token_id, fields, type(sampler).__name__, sorted(cfg.items()),
+                                  checkpoint_uri)))
 
-    def _check_same_config(self) -> None:
-        fp = float(self._config_fingerprint())
-        rows = self._gather_rows("config check", torch.tensor([fp], dtype=torch.float64))
-        differ = (rows[:, 0] != fp).nonzero().flatten().tolist()
+    def _agree(self, step: str, values: list[float], error: BaseException | None) -> torch.Tensor:
+        """One all_reduce of every rank's [ok, *values] row, as [W, 1 + len(values)]. A rank that
+        failed locally (`error`) raises it; the others raise ReplayError naming it, so no rank is
+        left waiting in a later collective."""
+        rows = self._gather_rows(step, torch.tensor([0.0 if error is not None else 1.0, *values],
+                                                    dtype=torch.float64))
+        if error is not None:
+            raise error
+        bad = (rows[:, 0] == 0).nonzero().flatten().tolist()
+        if bad:
+            raise ReplayError(f"rank {self.rank}: {step} aborted because rank(s) {bad} failed "
+                              "(their own error names the cause)")
+        return rows
+
+    def _check_same_config(self, error: BaseException | None = None, checkpoint_uri: str | None = None,
+                           extra: tuple[float, ...] | list[float] = ()) -> torch.Tensor:
+        """Collective: raise on every rank unless all built the same buffer; returns the rows
+        [ok, fingerprint, *extra] of every rank."""
+        fp = self._config_fingerprint(checkpoint_uri) if error is None else 0.0
+        rows = self._agree("config check", [fp, *extra], error)
+        differ = (rows[:, 1] != fp).nonzero().flatten().tolist()
         if differ:
             raise ValueError(f"rank {self.rank}: ranks {differ} built their DistributedRolloutBuffer with a different "
-                             "mode, buffer configuration or sampler; every rank must pass the same arguments")
+                             "mode, buffer configuration, sampler or checkpoint uri; every rank must pass the same "
+                             "arguments")
+        return rows
 
     def _shard_row(self, batch_size: int, ok: bool, shift: float = 0.0) -> torch.Tensor:
         sampler = self.buffer.sampler
@@ -257,6 +464,157 @@ class DistributedRolloutBuffer:
         """Collective: every shard's count, total and min priority."""
         rows = self._exchange("shard stats", 0, None)
         return ShardStats(rows[:, _COUNT].to(torch.int64), rows[:, _TOTAL].clone(), rows[:, _MIN].clone())
+
+    # ------------------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_checkpoint(cls, uri: str, process_group: dist.ProcessGroup | None = None, mode: str = "local",
+                        checkpoint_interval_s: float = 60.0, endpoint_url: str | None = None,
+                        progress: bool = False, **buffer_kwargs: Any) -> "DistributedRolloutBuffer":
+        """Collective: resume from the newest complete checkpoint generation under the run prefix `uri`.
+
+        Same world size: every rank restores its own shard exactly (`RolloutBuffer.from_checkpoint`:
+        slots, priorities, reuse counts, sampler and RNG state) and keeps checkpointing to the same
+        place. Different world size: a new generation is started; every rank imports a disjoint
+        share of the old ranks' storage shards (`plan_reshard`), with advantages, policy versions,
+        group ids and use counts, sets its policy version to the newest old rank's, and then every
+        rank publishes once. Slots, RNG and sampler state are not carried over in that case.
+        Either way every live rollout of the old checkpoint lands on exactly one rank.
+
+        Args:
+            uri: the run prefix the old job passed as `checkpoint_uri`; must be the same on every rank.
+            process_group, mode, checkpoint_interval_s, endpoint_url: as for the constructor.
+            progress: show download progress bars.
+            **buffer_kwargs: passed to the local `RolloutBuffer`; unset ones (capacity, staleness and
+                reuse caps, schema, built-in sampler) come from the checkpoint. When resharding,
+                each new rank's share must fit its `capacity` (ValueError otherwise, before anything
+                is imported), e.g. 4 -> 2 ranks usually needs a larger capacity.
+        """
+        _check_checkpoint_args(uri, checkpoint_interval_s, endpoint_url, buffer_kwargs, required=True)
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+        self = cls.__new__(cls)
+        self._bind(process_group, mode)
+        world, rank = self.world_size, self.rank
+        # Step 1: rank 0 reads the layout (and records a new generation when resharding).
+        layout, error = [-1.0, -1.0, -1.0], None
+        if rank == 0:
+            try:
+                source, source_world = newest_complete_generation(uri, endpoint_url)
+                target = source if source_world == world else _start_generation(uri, world, source, endpoint_url)
+                layout = [float(source), float(source_world), float(target)]
+            except Exception as e:  # noqa: BLE001 - raised after the collective, so peers do not wait
+                error = e
+        rows = self._agree("from_checkpoint: layout", [_fingerprint(uri), *layout], error)
+        differ = (rows[:, 1] != rows[0, 1]).nonzero().flatten().tolist()
+        if differ:
+            raise ValueError(f"rank {rank}: ranks {differ} passed a different uri than rank 0; "
+                             "every rank must pass the same run prefix")
+        source, source_world, target = (int(x) for x in rows[0, 2:5].tolist())
+        # Step 2: every rank builds its shard.
+        error, plan = None, 0.0
+        try:
+            if source_world == world:
+                place = rank_uri(uri, source, rank)
+                ckpt = Checkpointer(place, interval_s=checkpoint_interval_s, endpoint_url=endpoint_url)
+                try:
+                    self.buffer = RolloutBuffer.from_checkpoint(place, endpoint_url=endpoint_url, checkpoint=ckpt,
+                                                                progress=progress, **buffer_kwargs)
+                except BaseException:
+                    with contextlib.suppress(CheckpointError):
+                        ckpt.close(final=False)
+                    raise
+            else:
+                self.buffer, plan = self._import_share(uri, source, source_world, endpoint_url, progress,
+                                                       buffer_kwargs)
+            _check_sampler(self.buffer, mode)
+        except Exception as e:  # noqa: BLE001 - raised by _check_same_config, after the collective
+            error = e
+        try:
+            rows = self._check_same_config(error, uri, [plan])
+            differ = (rows[:, 2] != rows[0, 2]).nonzero().flatten().tolist()
+            if differ:
+                raise CheckpointError(f"rank {rank}: ranks {differ} planned the resharding from different manifests "
+                                      f"of generation {source} (was the old job still writing?)")
+        except BaseException:
+            _discard(self.buffer)
+            raise
+        self.checkpoint_uri, self.generation = uri, target
+        if source_world != world:
+            self._attach_checkpointer(Checkpointer(rank_uri(uri, target, rank), interval_s=checkpoint_interval_s,
+                                                   endpoint_url=endpoint_url))
+            # Until every rank of the new generation has published, resuming falls back to the old one.
+            self.checkpoint()
+        return self
+
+    def _import_share(self, uri: str, source: int, source_world: int, endpoint_url: str | None, progress: bool,
+                      buffer_kwargs: dict[str, Any]) -> tuple[RolloutBuffer, float]:
+        """Build this rank's shard from its share of generation `source`; returns it and a
+        fingerprint of the plan (equal on every rank iff all read the same manifests)."""
+        from torchreplay.checkpoint.restore import _buffer_kwargs, _sampler_from_state, load_state
+
+        places = [rank_uri(uri, source, o) for o in range(source_world)]
+        stores = [open_store(p, endpoint_url) for p in places]
+        manifests = [read_manifest(s) for s in stores]
+        live_rows = [[entry["live_rows"] for entry in m["shards"]] for m in manifests]
+        owner = plan_reshard(live_rows, self.world_size)
+        share = [0] * self.world_size
+        for rows, owners in zip(live_rows, owner):
+            for n, r in zip(rows, owners):
+                share[r] += n
+        state = load_state(stores[0], manifests[0])
+        kwargs = {**_buffer_kwargs(state["config"], buffer_kwargs), **buffer_kwargs}
+        if kwargs.get("sampler") is None:
+            kwargs["sampler"] = _sampler_from_state(state)
+        capacity = kwargs.get("capacity")
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and max(share) > capacity:
+            raise ValueError(f"resharding {sum(share)} rollouts from {source_world} to {self.world_size} ranks puts up "
+                             f"to {max(share)} on one rank (shares {share}) but capacity is {capacity}: "
+                             f"pass capacity >= {max(share)}")
+        buffer = RolloutBuffer(**kwargs)
+        try:
+            imported = 0
+            for o, place in enumerate(places):
+                mine = owner[o]
+                if self.rank not in mine:
+                    continue
+
+                def select(i: int, n: int, mine: list[int] = mine, o: int = o) -> bool:
+                    if n != len(mine):
+                        raise CheckpointError(f"{places[o]}: its manifest changed during the resume "
+                                              f"({n} shards, planned with {len(mine)})")
+                    return mine[i] == self.rank
+
+                imported += len(buffer.import_checkpoint(place, endpoint_url=endpoint_url, select=select,
+                                                         keep_reuse=True, progress=progress))
+            if imported != share[self.rank]:
+                raise CheckpointError(f"rank {self.rank} imported {imported} rollouts from generation {source}, "
+                                      f"planned {share[self.rank]}")
+            version = max(m["policy_version"] for m in manifests)
+            if version > buffer.version:
+                buffer.advance(version)
+        except BaseException:
+            _discard(buffer)
+            raise
+        text = repr((source, [(m["sequence"], m["session"]) for m in manifests], live_rows))
+        return buffer, _fingerprint(text)
+
+    def checkpoint(self, timeout: float | None = None) -> None:
+        """Collective: every rank publishes a manifest of its shard; returns on every rank once all
+        of them are durable (a consistent cut of the job). `timeout` (seconds) bounds the local
+        wait; a rank whose publish fails raises its CheckpointError, the others ReplayError."""
+        if self.checkpoint_uri is None:
+            raise ValueError("this DistributedRolloutBuffer has no checkpoint_uri")
+        error = None
+        try:
+            self.buffer.checkpoint(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - raised by _agree, after the collective
+            error = e
+        self._agree("checkpoint", [], error)
+
+    def close(self) -> None:
+        """Local: finish this rank's background work and, with a checkpoint_uri, publish a final
+        manifest of its shard (not a consistent cut across ranks: call `checkpoint()` for that)."""
+        self.buffer.close()
 
     # ------------------------------------------------------------------------------ local API
     def add(self, batch: Any) -> Handles:

@@ -54,12 +54,14 @@ def _sampler_from_state(state: dict[str, Any]):
     return cls(**config)
 
 
-def _buffer_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+def _buffer_kwargs(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Constructor arguments recorded in a checkpoint's config. Extra fields' specs are not
+    recorded (only their names), so a buffer with extra fields needs `extra_fields=` passed in."""
     allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "ref_logprobs", "routing"}
     out = {k: config[k] for k in allowed if k in config}
     if out.get("routing") is not None:
         out["routing"] = tuple(out["routing"])
-    if config.get("extra_fields"):
+    if config.get("extra_fields") and "extra_fields" not in (overrides or {}):
         raise CheckpointError(f"the checkpoint declares extra fields {config['extra_fields']}: pass extra_fields=...")
     return out
 
@@ -95,7 +97,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
         raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")
-    buffer_kwargs = {**_buffer_kwargs(state["config"]), **kwargs}
+    buffer_kwargs = {**_buffer_kwargs(state["config"], kwargs), **kwargs}
     buffer = cls(sampler=sampler if sampler is not None else _sampler_from_state(state), storage=storage,
                  **buffer_kwargs)
     by_id = {s["id"]: s for s in manifest["shards"]}

@@ -74,7 +74,7 @@ class DemoConfig:
 
     num_digits: int = 6
     reward: str = "partial"
-    budget_tokens: int = 400_000
+    budget_tokens: int = 300_000
     target_acc: float = 0.8
     eval_every_tokens: int = 10_000
     eval_prompts: int = 512
@@ -86,10 +86,12 @@ class DemoConfig:
     arms: list[ArmConfig] = field(default_factory=list)
 
 
-ON_POLICY = ArmConfig(name="on-policy", lr=3e-3, prompts_per_step=16, group_size=8)
-REPLAY = ArmConfig(name="replay", lr=3e-3, prompts_per_step=16, group_size=8, replay_ratio=0.5)
-UNIFORM = ArmConfig(name="uniform-replay", lr=3e-3, prompts_per_step=16, group_size=8, replay_ratio=0.5,
-                    sampler="uniform")
+# Each arm at its best from the sweep in docs/demo_findings.md (seed 0, 300K tokens, lr x batch x group x ratio).
+ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=8)
+REPLAY = ArmConfig(name="replay", lr=3e-4, prompts_per_step=4, group_size=8, replay_ratio=0.75, max_staleness=8,
+                   max_reuse=8)
+UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_size=8, replay_ratio=0.75,
+                    sampler="uniform", max_staleness=8, max_reuse=8)
 
 
 def default_config(full: bool = False, quick: bool = False) -> DemoConfig:
@@ -102,7 +104,7 @@ def default_config(full: bool = False, quick: bool = False) -> DemoConfig:
         cfg.budget_tokens = 4_000
         cfg.eval_every_tokens = 1_000
         cfg.eval_prompts = 128
-        cfg.sft_steps = 5
+        cfg.sft_steps = 10
     return cfg
 
 
@@ -224,6 +226,8 @@ def train_arm(
         "steps": version,
         "generated_tokens": tokens_used,
         "trained_rollouts": trained_rollouts,
+        # Rollouts trained on per rollout generated: 1 on-policy; the average reuse of a replay arm.
+        "uses_per_rollout": trained_rollouts / max(next_gid * arm.group_size, 1),
     }
     if buf is not None:
         result["buffer_metrics"] = {k: float(v) for k, v in buf.metrics().items() if _is_number(v)}
@@ -249,3 +253,197 @@ def warm_start(cfg: DemoConfig, seed: int) -> tuple[dict[str, torch.Tensor], flo
 def eval_set(cfg: DemoConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out prompts (disjoint stream from training: its own generator)."""
     return SortTask(cfg.num_digits).prompts(cfg.eval_prompts, torch.Generator().manual_seed(10_000 + seed))
+
+
+_BUFFER_HIGHLIGHTS = (
+    "reuse_mean", "age_mean", "age_max", "ess_fraction", "evicted_staleness", "evicted_reuse", "evicted_capacity",
+    "sampled_fresh", "sampled_replay", "stale_handle_updates", "size",
+)
+
+
+def _mean_spread(values: list[float | None]) -> dict[str, Any]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"mean": None, "min": None, "max": None, "std": None, "n": 0, "of": len(values)}
+    t = torch.tensor(got, dtype=torch.float64)
+    std = float(t.std()) if len(got) > 1 else 0.0
+    return {"mean": float(t.mean()), "min": float(t.min()), "max": float(t.max()), "std": std, "n": len(got),
+            "of": len(values)}
+
+
+def summarize(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig) -> dict[str, Any]:
+    """Per-arm mean and spread over seeds, and the replay arms' token saving versus on-policy.
+
+    ``token_saving`` is ``1 - tokens_to_target(arm) / tokens_to_target(on-policy)`` per seed (a fraction;
+    0.5 means half the generated tokens), defined only where both reached the target.
+    """
+    names = [a.name for a in cfg.arms]
+    base = names[0]
+    out: dict[str, Any] = {}
+    for name in names:
+        runs = [results[s][name] for s in results]
+        entry: dict[str, Any] = {
+            "tokens_to_target": _mean_spread([r["tokens_to_target"] for r in runs]),
+            "final_acc": _mean_spread([r["final_acc"] for r in runs]),
+            "entropy": _mean_spread([r["entropy"] for r in runs]),
+            "wall_s": _mean_spread([r["wall_s"] for r in runs]),
+            "generated_tokens": _mean_spread([r["generated_tokens"] for r in runs]),
+            "trained_rollouts": _mean_spread([r["trained_rollouts"] for r in runs]),
+            "uses_per_rollout": _mean_spread([r["uses_per_rollout"] for r in runs]),
+        }
+        if name != base:
+            savings = []
+            for s in results:
+                mine, theirs = results[s][name]["tokens_to_target"], results[s][base]["tokens_to_target"]
+                savings.append(None if mine is None or theirs is None else 1.0 - mine / theirs)
+            entry["token_saving"] = _mean_spread(savings)
+        if "buffer_metrics" in runs[0]:
+            entry["buffer"] = {
+                k: _mean_spread([r["buffer_metrics"].get(k) for r in runs])["mean"]
+                for k in _BUFFER_HIGHLIGHTS
+                if k in runs[0]["buffer_metrics"]
+            }
+        out[name] = entry
+    return out
+
+
+def _fmt(stat: dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
+    if stat["mean"] is None:
+        return "not reached"
+    text = f"{stat['mean'] / scale:.{digits}f}{unit}"
+    if stat["of"] > 1:
+        text += f" ±{stat['std'] / scale:.{digits}f}"
+        if stat["n"] < stat["of"]:
+            text += f" ({stat['n']}/{stat['of']} reached)"
+    return text
+
+
+def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
+    """The printed results table (one row per arm; ± is the std over seeds)."""
+    rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", "final acc", "entropy", "wall", "uses/rollout",
+             "age mean/max", "evicted stale/reuse"]]
+    for name, e in summary.items():
+        b = e.get("buffer", {})
+        saving = _fmt(e["token_saving"], 0.01, 0, "%") if "token_saving" in e else "-"
+        rows.append([
+            name,
+            _fmt(e["tokens_to_target"], 1e3, 0, "K"),
+            saving,
+            _fmt(e["final_acc"]),
+            _fmt(e["entropy"], digits=3),
+            _fmt(e["wall_s"], digits=0, unit="s"),
+            _fmt(e["uses_per_rollout"], digits=2),
+            f"{b['age_mean']:.1f}/{b['age_max']:.0f}" if "age_mean" in b else "-",
+            f"{b['evicted_staleness']:.0f}/{b['evicted_reuse']:.0f}" if "evicted_staleness" in b else "-",
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig, path: Path) -> None:
+    """Accuracy versus generated tokens per arm (mean over seeds, shaded min-max) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.arange(0, cfg.budget_tokens + 1, cfg.eval_every_tokens, dtype=np.float64)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for arm in cfg.arms:
+        ys = []
+        for s in results:
+            curve = np.asarray(results[s][arm.name]["curve"], dtype=np.float64)
+            ys.append(np.interp(grid, curve[:, 0], curve[:, 1]))
+        y = np.stack(ys)
+        (line,) = ax.plot(grid / 1e3, y.mean(axis=0), label=arm.name, lw=2)
+        if len(ys) > 1:
+            ax.fill_between(grid / 1e3, y.min(axis=0), y.max(axis=0), color=line.get_color(), alpha=0.2)
+    ax.axhline(cfg.target_acc, color="grey", ls="--", lw=1, label=f"target {cfg.target_acc:.0%}")
+    ax.set_xlabel("generated tokens (thousands)")
+    ax.set_ylabel("exact-match accuracy (greedy, held-out)")
+    n = len(results)
+    ax.set_title(f"GRPO on digit sorting: on-policy vs torchreplay ({n} seed{'s' if n > 1 else ''})")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(
+    out: str | os.PathLike[str] = "demo_output",
+    seed: int = 0,
+    full: bool = False,
+    quick: bool = False,
+    resume: bool = False,
+    s3: str | None = None,
+    endpoint_url: str | None = None,
+) -> int:
+    """Run the demo and write ``results.json``, ``accuracy_vs_tokens.png`` and ``table.txt`` under ``out``.
+
+    Args:
+        out: output directory (created).
+        seed: base seed; ``full`` uses ``seed, seed + 1, seed + 2``.
+        full: 3 seeds and a third arm with uniform FIFO replay.
+        quick: a few steps only, for tests (well under a minute).
+        resume, s3, endpoint_url: reserved for checkpointing; not implemented yet.
+
+    Returns:
+        0 (a process exit code).
+    """
+    if resume or s3 is not None or endpoint_url is not None:
+        raise NotImplementedError(
+            "torchreplay demo: resume/s3/endpoint_url need demo checkpointing, which is not implemented yet; "
+            "run without them (resume=False, s3=None, endpoint_url=None)."
+        )
+    from tqdm.auto import tqdm
+
+    cfg = default_config(full=full, quick=quick)
+    seeds = [seed, seed + 1, seed + 2] if full else [seed]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    warm: dict[int, dict[str, float]] = {}
+    try:
+        for s in seeds:
+            init, sft_s = warm_start(cfg, s)
+            ev = eval_set(cfg, s)
+            results[s] = {}
+            for arm in cfg.arms:
+                label = f"seed {s} {arm.name}"
+                with tqdm(total=cfg.budget_tokens, desc=f"{label:<22}", unit="tok", unit_scale=True,
+                          leave=True, dynamic_ncols=True) as bar:
+                    results[s][arm.name] = train_arm(arm, cfg, init, s, ev, progress=bar)
+                    bar.set_postfix(acc=f"{results[s][arm.name]['final_acc']:.3f}")
+            warm[s] = {"sft_seconds": sft_s, "start_acc": results[s][cfg.arms[0].name]["curve"][0][1]}
+    finally:
+        torch.set_num_threads(old_threads)
+    summary = summarize(results, cfg)
+    table = format_table(summary, cfg)
+    total = time.perf_counter() - t0
+    header = (
+        f"torchreplay demo: GRPO, sort {cfg.num_digits} digits, {cfg.budget_tokens:,} generated tokens per arm, "
+        f"seeds {seeds}, target {cfg.target_acc:.0%} exact match"
+    )
+    print("\n" + header + "\n" + table + f"\n\ntotal wall time {total:.0f}s; outputs in {out_dir}/")
+    (out_dir / "table.txt").write_text(header + "\n" + table + "\n")
+    plot(results, cfg, out_dir / "accuracy_vs_tokens.png")
+    payload = {
+        "config": asdict(cfg),
+        "mode": "quick" if quick else ("full" if full else "default"),
+        "seeds": seeds,
+        "torch_threads": cfg.threads,
+        "total_wall_s": total,
+        "warm_start": {str(s): v for s, v in warm.items()},
+        "summary": summary,
+        "runs": {str(s): r for s, r in results.items()},
+    }
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2))
+    return 0
