@@ -1,0 +1,157 @@
+"""Checkpoint benchmark against a loopback S3 server (moto), in one run:
+
+1. upload throughput of the Checkpointer (shards + state + manifest) against raw boto3
+   `put_object` of the same bytes to the same server, as a ratio;
+2. p50/p99 latency of `add` and `sample` with and without a checkpoint in flight (target: p99
+   inflation at most 5%).
+
+    python benchmarks/bench_checkpoint.py [--quick] [--out benchmarks/results/bench_checkpoint.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import torchreplay as tr
+from torchreplay.checkpoint import Checkpointer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batch(n: int, length: int, version: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    total = n * length
+    return {
+        "tokens": {"values": torch.randint(0, 50_000, (total,), generator=g), "offsets": torch.arange(n + 1) * length},
+        "logprobs": {"values": -torch.rand(total, generator=g), "offsets": torch.arange(n + 1) * length},
+        "response_mask": {"values": torch.ones(total, dtype=torch.bool), "offsets": torch.arange(n + 1) * length},
+        "prompt_len": torch.zeros(n, dtype=torch.long), "reward": torch.rand(n, generator=g),
+        "advantage": torch.randn(n, generator=g), "group_id": torch.arange(n), "policy_version": version,
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/bench_checkpoint.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    endpoint = "http://%s:%d" % server.get_host_and_port()
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="bench-ckpt")
+    steps, n, length = (4, 128, 1024) if args.quick else (8, 512, 1024)
+    results: dict = {"load_average": os.getloadavg()[0], "steps": steps, "rollouts_per_step": n, "tokens": length}
+
+    # 1. upload throughput
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Checkpointer("s3://bench-ckpt/tput", interval_s=3600, endpoint_url=endpoint)
+        buf = tr.RolloutBuffer(steps * n, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0,
+                               storage=tr.TieredStorage(hot_bytes=0, spill_dir=tmp, io="posix"))
+        for s in range(steps):
+            buf.add(make_batch(n, length, s, s))
+        buf.storage.flush()
+        buf.checkpoint()
+        paths = sorted(Path(tmp).glob("*.trs"))
+        shard_bytes = sum(os.path.getsize(p) for p in paths)
+        # The checkpointer's upload path (S3Store.put_file: transfer manager, CRC32 checksums) on the
+        # same files, timed alone: in a run the uploads overlap training and cannot be isolated.
+        start = time.perf_counter()
+        for i, p in enumerate(paths):
+            ckpt.store.put_file(f"shards/again-{i}.trs", str(p))
+        ckpt_s = time.perf_counter() - start
+        datas = [p.read_bytes() for p in paths]
+        start = time.perf_counter()
+        for i, d in enumerate(datas):
+            client.put_object(Bucket="bench-ckpt", Key=f"raw/{i}", Body=d)
+        raw_s = time.perf_counter() - start
+        buf.close()
+    results["upload"] = {"bytes": shard_bytes, "checkpointer_MBps": shard_bytes / ckpt_s / 1e6,
+                         "raw_put_object_MBps": shard_bytes / raw_s / 1e6, "ratio": raw_s / ckpt_s}
+
+    # 2. latency with and without a checkpoint in flight
+    def latency_run(in_flight: bool) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = Checkpointer(f"s3://bench-ckpt/lat-{int(in_flight)}", interval_s=3600, endpoint_url=endpoint)
+            buf = tr.RolloutBuffer(64 * 64, sampler=tr.PrioritizedSampler(), checkpoint=ckpt, seed=0,
+                                   storage=tr.TieredStorage(hot_bytes=256 << 20, spill_dir=tmp, io="posix"))
+            for s in range(8):
+                buf.add(make_batch(64, 512, 0, 100 + s))
+            buf.checkpoint()
+            add_lat, sample_lat = [], []
+            calls = 60 if args.quick else 200
+            for i in range(calls):
+                if in_flight and ckpt._queue.unfinished_tasks == 0:
+                    ckpt.publish(wait=False)
+                batch = make_batch(64, 512, 0, 1000 + i)
+                t0 = time.perf_counter()
+                buf.add(batch)
+                t1 = time.perf_counter()
+                buf.sample(64)
+                t2 = time.perf_counter()
+                add_lat.append(t1 - t0)
+                sample_lat.append(t2 - t1)
+            buf.close()
+        return {"add_p50_ms": 1e3 * statistics.median(add_lat), "add_p99_ms": 1e3 * pct(add_lat, 0.99),
+                "sample_p50_ms": 1e3 * statistics.median(sample_lat), "sample_p99_ms": 1e3 * pct(sample_lat, 0.99)}
+
+    quiet = latency_run(False)
+    busy = latency_run(True)
+    results["latency"] = {"without": quiet, "with": busy,
+                          "add_p99_inflation": busy["add_p99_ms"] / quiet["add_p99_ms"] - 1,
+                          "sample_p99_inflation": busy["sample_p99_ms"] / quiet["sample_p99_ms"] - 1}
+    server.stop()
+    u, lat = results["upload"], results["latency"]
+    lines = [
+        "# Checkpoint benchmark (loopback moto S3)", "",
+        f"load average at start: {results['load_average']:.2f}; {steps} shards of {n} rollouts x {length} tokens", "",
+        "| upload | MB/s |", "|---|---:|",
+        f"| Checkpointer upload path (S3Store.put_file) | {u['checkpointer_MBps']:.1f} |",
+        f"| raw boto3 put_object, same bytes | {u['raw_put_object_MBps']:.1f} |",
+        f"| ratio (Checkpointer / raw) | {u['ratio']:.2f} |", "",
+        "| latency (ms) | p50 without | p50 with | p99 without | p99 with | p99 inflation |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| add | {lat['without']['add_p50_ms']:.2f} | {lat['with']['add_p50_ms']:.2f} | {lat['without']['add_p99_ms']:.2f} "
+        f"| {lat['with']['add_p99_ms']:.2f} | {100 * lat['add_p99_inflation']:+.1f}% |",
+        f"| sample | {lat['without']['sample_p50_ms']:.2f} | {lat['with']['sample_p50_ms']:.2f} | "
+        f"{lat['without']['sample_p99_ms']:.2f} | {lat['with']['sample_p99_ms']:.2f} | {100 * lat['sample_p99_inflation']:+.1f}% |",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
