@@ -26,7 +26,7 @@ def want_cuda() -> bool:
 
 
 def extension():
-    sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp", "csrc/cpu/pad_cpu.cpp"]
     if want_cuda():
         sources += ["csrc/cuda/tree_cuda.cu", "csrc/cuda/tree_cuda_ops.cpp"]
         # torch's CUDA headers need C++20 from 2.14 on.

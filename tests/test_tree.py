@@ -300,3 +300,20 @@ def test_cuda_opcheck_and_no_sync():
         t.total(), t.min(), t[idx]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_pad_rows_op(left):
+    values = torch.arange(20, dtype=torch.float32).reshape(10, 2)  # token rows with a row shape (2,)
+    out = torch.full((3, 4, 2), -1.0)
+    starts, lengths, dest = torch.tensor([0, 5, 8]), torch.tensor([3, 4, 2]), torch.tensor([2, 0, 1])
+    ops.pad_rows(values, starts, lengths, dest, out, left)
+    for s, n, d in zip(starts.tolist(), lengths.tolist(), dest.tolist()):
+        cols = slice(4 - n, 4) if left else slice(0, n)
+        assert torch.equal(out[d, cols], values[s : s + n])
+        assert bool((out[d].sum(-1) == -2).sum() == 4 - n)
+    torch.library.opcheck(ops.pad_rows.default, (values, starts, lengths, dest, out.clone(), left))
+    with pytest.raises(IndexError):
+        ops.pad_rows(values, torch.tensor([9]), torch.tensor([3]), torch.tensor([0]), out, left)
+    with pytest.raises(IndexError):
+        ops.pad_rows(values, torch.tensor([0]), torch.tensor([3]), torch.tensor([5]), out, left)

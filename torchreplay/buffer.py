@@ -12,6 +12,7 @@ import torch
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from torchreplay._ops import ops
 from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
@@ -567,40 +568,30 @@ class RolloutBuffer:
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
         parts = []
         lengths = torch.empty(n, dtype=torch.int64)
-        for shard in plan.shards:
-            at = (plan.shard_of == shard.id).nonzero().flatten()
-            batch, index = self.storage.fetch(shard, plan.rows[at], token_fields)
+        where = [(plan.shard_of == shard.id).nonzero().flatten() for shard in plan.shards]
+        fetched = self.storage.fetch_many([(shard, plan.rows[at]) for shard, at in zip(plan.shards, where)],
+                                          token_fields)
+        for at, (batch, index) in zip(where, fetched):
             lengths[at] = batch.offsets[index + 1] - batch.offsets[index]
             parts.append((at, batch, index))
         width = int(lengths.max()) if n else 0
+        left = self.padding_side == "left"
         positions = torch.arange(width)
-        if self.padding_side == "right":
-            valid = positions[None, :] < lengths[:, None]
-            shift = torch.zeros(n, dtype=torch.int64)
-        else:
-            shift = width - lengths
-            valid = positions[None, :] >= shift[:, None]
+        valid = positions[None, :] >= (width - lengths)[:, None] if left else positions[None, :] < lengths[:, None]
         data: dict[str, torch.Tensor] = {}
         for name in token_fields:
             spec = self.fields[name]
             fill = self.pad_token_id if name == "tokens" else 0
-            data[name] = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype)
+            out = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype)
+            for at, batch, index in parts:
+                values = batch.token.get(name)
+                if values is not None:
+                    ops.pad_rows(values, batch.offsets[index], lengths[at], at, out, left)
+            data[name] = out
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
         for name in extra_rollout:
             data[name] = torch.zeros((n, *self.fields[name].shape), dtype=self.fields[name].dtype)
-        for at, batch, index in parts:
-            starts = batch.offsets[index]
-            src = starts[:, None] + positions[None, :] - shift[at][:, None]
-            ok = valid[at]
-            src = torch.where(ok, src, starts[:, None])  # any in-bounds index; masked out below
-            for name in token_fields:
-                values = batch.token.get(name)
-                if values is None:
-                    continue
-                picked = values[src]
-                mask = ok.reshape(*ok.shape, *([1] * (picked.dim() - 2)))
-                data[name][at] = torch.where(mask, picked, data[name][at])
-            for name in extra_rollout:
+            for at, batch, index in parts:
                 if name in batch.rollout:
                     data[name][at] = batch.rollout[name][index]
         data["attention_mask"] = valid

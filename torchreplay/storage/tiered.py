@@ -164,6 +164,8 @@ class TieredStorage:
                 raise StorageError(f"spill_dir {self.spill_dir}: permission denied")
             self.io = make_io(io, threads=io_threads, direct=direct)
             self._spill = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-spill")
+            # Cold shards of one batch are read concurrently (each read itself fans out on the I/O pool).
+            self._fetchers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchreplay-fetch")
         self.io_name = self.io.name if self.io else "none"
         self._shards: dict[int, _Shard] = {}
         self._ids = itertools.count()
@@ -197,6 +199,7 @@ class TieredStorage:
     def close(self) -> None:
         if self.io is not None:
             self._spill.shutdown(wait=True)
+            self._fetchers.shutdown(wait=True)
             self._poll()
             self.io.close()
 
@@ -368,6 +371,16 @@ class TieredStorage:
             self.policy.touched(shard.id)
             return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout), rows
         return self._read_cold(shard, rows, [f for f in fields if f in shard.token_fields])
+
+    def fetch_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str]
+                   ) -> list[tuple[PackedBatch, torch.Tensor]]:
+        """`fetch` for several pinned shards, cold ones read concurrently."""
+        cold = [i for i, (shard, _) in enumerate(requests) if shard.token is None]
+        if self.io is None or len(cold) <= 1:
+            return [self.fetch(shard, rows, fields) for shard, rows in requests]
+        futures = {i: self._fetchers.submit(self.fetch, *requests[i], fields) for i in cold}
+        return [futures[i].result() if i in futures else self.fetch(*requests[i], fields)
+                for i in range(len(requests))]
 
     def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
         unique, index = torch.unique(rows, return_inverse=True)
