@@ -219,9 +219,8 @@ class TieredStorage:
         self.optional_fields.update(token, batch.rollout)
         if self.io is not None:
             shard.path = os.path.join(self.spill_dir, f"shard-{shard.id:010d}.trs")
-            header, writes, head = fmt.plan_shard(batch.offsets, token, batch.rollout)
-            shard.header = header
-            shard.write = self._spill.submit(self._write, shard.path, [(0, head), *writes], header.file_bytes)
+            # Checksums and layout are computed on the spill thread, off the caller's path.
+            shard.write = self._spill.submit(self._write, shard, shard.path, batch.offsets, token, batch.rollout)
             self._enforce_budget()
         return shard.id
 
@@ -253,8 +252,10 @@ class TieredStorage:
         self.optional_fields.update(token_fields, meta.rollout)
         return sid
 
-    def _write(self, path: str, pieces, file_bytes: int) -> None:
-        self.io.write_file(path, pieces, file_bytes)
+    def _write(self, shard: _Shard, path: str, offsets, token, rollout) -> None:
+        header, writes, head = fmt.plan_shard(offsets, token, rollout, pool=self._fetchers)
+        self.io.write_file(path, [(0, head), *writes], header.file_bytes)
+        shard.header = header  # read by others only once this write's future is done
 
     def _poll(self) -> None:
         """Settle finished spills (trainer thread)."""
