@@ -833,6 +833,7 @@ class RolloutBuffer:
         checkpoint: "Checkpointer | bool" = False,
         lazy: bool = False,
         progress: bool = True,
+        manifest: str | None = None,
         **kwargs: Any,
     ) -> "RolloutBuffer":
         """Restore a buffer from the last published manifest under `uri`.
@@ -842,11 +843,12 @@ class RolloutBuffer:
         progress bar) or, with `lazy=True` and a cold tier, in the background as they are needed.
         `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
         Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
+        `manifest` names a specific manifest key (default: the newest, via LATEST).
         """
         from torchreplay.checkpoint.restore import restore
 
         return restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
-                       checkpoint=checkpoint, lazy=lazy, progress=progress, **kwargs)
+                       checkpoint=checkpoint, lazy=lazy, progress=progress, manifest_key=manifest, **kwargs)
 
     def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
                           reprioritize=None, progress: bool = False, select=None,

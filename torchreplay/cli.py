@@ -9,19 +9,19 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchreplay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the replay demo on embedded defaults (CPU, local disk)")
-    demo.add_argument("--out", default="demo_output", help="directory for the demo's outputs")
-    demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("demo", help="GRPO with replay vs on-policy on embedded defaults (CPU, local disk); "
+                   "see `torchreplay demo --help`", add_help=False)
     inspect = sub.add_parser("inspect", help="summarize a checkpoint: manifests, rollouts, bytes, ages, priorities")
     inspect.add_argument("uri", help="s3://bucket/prefix or file:///path")
     inspect.add_argument("--endpoint-url", default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "demo":
+        from torchreplay.demo.__main__ import main as demo_main
+
+        return demo_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return inspect_checkpoint(args.uri, args.endpoint_url)
-    if args.command == "demo":
-        from torchreplay.demo_sampling import run
-
-        return run(out=args.out, seed=args.seed)
     return 2
 
 

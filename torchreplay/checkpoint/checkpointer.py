@@ -92,6 +92,7 @@ class Checkpointer:
         self._worker = threading.Thread(target=self._run, name="torchreplay-checkpoint", daemon=True)
         self._worker.start()
         self.published: list[str] = []
+        self.last_manifest: str | None = None
 
     def _next_sequence(self) -> int:
         try:
@@ -145,6 +146,7 @@ class Checkpointer:
                        dict(zip(live_ids, live_rows)), threading.Event())
         self._sequence += 1
         self._last_publish = time.monotonic()
+        self.last_manifest = f"manifests/{job.sequence:012d}.json"
         self._queue.put(job)
         if wait:
             if not job.done.wait(timeout):
@@ -240,19 +242,22 @@ class Checkpointer:
         self._durable.difference_update(stale_shards)
 
 
-def read_manifest(store: ObjectStore) -> dict[str, Any]:
-    """Follow LATEST to the newest manifest; validate it before anything is allocated or opened."""
-    try:
-        pointer = json.loads(store.get("LATEST"))
-    except ValueError as exc:
-        raise CheckpointError(f"{store.uri}/LATEST is not valid JSON") from exc
-    if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
-        raise CheckpointError(f"{store.uri}/LATEST does not name a manifest")
+def read_manifest(store: ObjectStore, key: str | None = None) -> dict[str, Any]:
+    """The manifest `key`, or the newest one (following LATEST); validated before anything is
+    allocated or opened."""
     from torchreplay.checkpoint.store import check_key
 
-    key = check_key(pointer["manifest"])
+    if key is None:
+        try:
+            pointer = json.loads(store.get("LATEST"))
+        except ValueError as exc:
+            raise CheckpointError(f"{store.uri}/LATEST is not valid JSON") from exc
+        if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
+            raise CheckpointError(f"{store.uri}/LATEST does not name a manifest")
+        key = pointer["manifest"]
+    key = check_key(key)
     if not key.startswith("manifests/"):
-        raise CheckpointError(f"LATEST names {key!r}, outside manifests/")
+        raise CheckpointError(f"{key!r} is not a manifest key (outside manifests/)")
     try:
         manifest = json.loads(store.get(key))
     except ValueError as exc:

@@ -91,9 +91,10 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
 
 
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
-            checkpoint: Checkpointer | bool, lazy: bool, progress: bool, **kwargs: Any) -> "RolloutBuffer":
+            checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
+            **kwargs: Any) -> "RolloutBuffer":
     store = open_store(uri, endpoint_url)
-    manifest = read_manifest(store)
+    manifest = read_manifest(store, manifest_key)
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
         raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")

@@ -10,14 +10,18 @@ from torchreplay.demo.runner import run
 
 def main(argv: list[str] | None = None) -> int:
     """Parse demo flags and run it; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m torchreplay.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="torchreplay demo", description=__doc__)
     parser.add_argument("--out", default="demo_output", help="directory for the demo's outputs")
     parser.add_argument("--seed", type=int, default=0)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--full", action="store_true", help="3 seeds and a uniform-replay arm")
     mode.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    parser.add_argument("--s3", default=None, metavar="URI", help="checkpoint to s3://bucket/prefix instead of a local dir")
+    parser.add_argument("--endpoint-url", default=None, help="S3 endpoint URL (with --s3)")
+    parser.add_argument("--resume", action="store_true", help="continue a killed demo from its last checkpoint")
     args = parser.parse_args(argv)
-    return run(out=args.out, seed=args.seed, full=args.full, quick=args.quick)
+    return run(out=args.out, seed=args.seed, full=args.full, quick=args.quick, resume=args.resume, s3=args.s3,
+               endpoint_url=args.endpoint_url)
 
 
 if __name__ == "__main__":

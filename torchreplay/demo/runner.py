@@ -22,6 +22,7 @@ import torch
 import torchreplay as tr
 from torchreplay.demo.grpo import group_advantages, grpo_loss
 from torchreplay.demo.policy import TinyCausalLM, generate, sft_warm_start
+from torchreplay.demo.state import TrainerCheckpoint, load_optimizer_state, optimizer_state
 from torchreplay.demo.task import SortTask
 
 
@@ -69,13 +70,14 @@ class DemoConfig:
         sft_steps, sft_batch, sft_lr: the shared supervised warm start.
         clip_eps: PPO clip range.
         threads: torch intra-op threads (tiny models run best on one or two).
+        checkpoint_every: optimizer steps between checkpoints (buffer + trainer).
         arms: the arms to train.
     """
 
     num_digits: int = 6
     reward: str = "partial"
     budget_tokens: int = 300_000
-    target_acc: float = 0.8
+    target_acc: float = 0.7
     eval_every_tokens: int = 10_000
     eval_prompts: int = 512
     sft_steps: int = 30
@@ -83,6 +85,7 @@ class DemoConfig:
     sft_lr: float = 3e-3
     clip_eps: float = 0.2
     threads: int = 1
+    checkpoint_every: int = 25
     arms: list[ArmConfig] = field(default_factory=list)
 
 
@@ -105,6 +108,7 @@ def default_config(full: bool = False, quick: bool = False) -> DemoConfig:
         cfg.eval_every_tokens = 1_000
         cfg.eval_prompts = 128
         cfg.sft_steps = 10
+        cfg.checkpoint_every = 3
     return cfg
 
 
@@ -144,8 +148,17 @@ def train_arm(
     seed: int,
     eval_set: tuple[torch.Tensor, torch.Tensor],
     progress: Any = None,
+    checkpoint_uri: str | None = None,
+    endpoint_url: str | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    checkpoint_every: int = 25,
 ) -> dict[str, Any]:
     """Train one arm from ``init_state`` until ``cfg.budget_tokens`` generated tokens are spent.
+
+    With ``checkpoint_uri`` the replay buffer checkpoints there (``/buffer``; shards spilled to
+    ``spill_dir`` first) and so does the trainer (``/trainer``: model, optimizer, generators,
+    progress), together every ``checkpoint_every`` steps; ``resume`` continues from the last pair.
 
     Returns a JSON-able dict: the accuracy curve (generated tokens, accuracy), tokens to reach
     ``cfg.target_acc`` (None if never), final accuracy, entropy (nats/token), wall time (s), steps,
@@ -159,19 +172,61 @@ def train_arm(
     prompt_gen = torch.Generator().manual_seed(seed * 1000 + 1)
     sample_gen = torch.Generator().manual_seed(seed * 1000 + 2)
     replay_gen = torch.Generator().manual_seed(seed * 1000 + 3)
-    buf = None
-    if arm.replay_ratio > 0:
-        buf = tr.RolloutBuffer(
+    def new_buffer() -> tr.RolloutBuffer:
+        return tr.RolloutBuffer(
             capacity=arm.capacity,
             sampler=_make_sampler(arm),
             max_staleness=arm.max_staleness,
             max_reuse=arm.max_reuse,
+            storage=storage(),
+            checkpoint=tr.Checkpointer(f"{checkpoint_uri}/buffer", interval_s=3600, endpoint_url=endpoint_url)
+            if checkpoint_uri else None,
         )
+
+    def storage() -> tr.TieredStorage | None:
+        # Hot budget of 1 MiB: the demo's buffer is small, so this makes it exercise the cold tier.
+        return tr.TieredStorage(hot_bytes=1 << 20, spill_dir=spill_dir, io="posix") if spill_dir else None
+
+    trainer_ckpt = TrainerCheckpoint(checkpoint_uri, endpoint_url) if checkpoint_uri else None
+    saved = trainer_ckpt.load() if (trainer_ckpt is not None and resume) else None
+    buf = None
     start = time.perf_counter()
-    tokens_used, version, next_gid, trained_rollouts = 0, 0, 0, 0
-    curve = [(0, evaluate(model, task, *eval_set))]
-    next_eval = cfg.eval_every_tokens
-    entropy, clip_frac = float("nan"), 0.0
+    if saved is None:
+        buf = new_buffer() if arm.replay_ratio > 0 else None
+        tokens_used, version, next_gid, trained_rollouts = 0, 0, 0, 0
+        curve = [(0, evaluate(model, task, *eval_set))]
+        next_eval = cfg.eval_every_tokens
+        entropy, clip_frac, elapsed = float("nan"), 0.0, 0.0
+    else:
+        model.load_state_dict(saved["model"])
+        load_optimizer_state(opt, saved["optimizer"])
+        for gen, key in ((prompt_gen, "prompt_gen"), (sample_gen, "sample_gen"), (replay_gen, "replay_gen")):
+            gen.set_state(saved[key])
+        tokens_used, version, next_gid = saved["tokens_used"], saved["version"], saved["next_gid"]
+        trained_rollouts, next_eval = saved["trained_rollouts"], saved["next_eval"]
+        curve = [tuple(p) for p in saved["curve"]]
+        entropy, clip_frac, elapsed = saved["entropy"], saved["clip_frac"], saved["elapsed"]
+        if arm.replay_ratio > 0:
+            buf = tr.RolloutBuffer.from_checkpoint(
+                f"{checkpoint_uri}/buffer", endpoint_url=endpoint_url, manifest=saved["buffer_manifest"],
+                storage=storage(), checkpoint=True, progress=False, sampler=_make_sampler(arm))
+        if progress is not None:
+            progress.update(tokens_used)
+
+    def save_checkpoint() -> None:
+        manifest = None
+        if buf is not None:
+            buf.checkpoint()
+            manifest = buf.checkpointer.last_manifest
+        trainer_ckpt.save({
+            "model": model.state_dict(), "optimizer": optimizer_state(opt),
+            "prompt_gen": prompt_gen.get_state(), "sample_gen": sample_gen.get_state(),
+            "replay_gen": replay_gen.get_state(), "tokens_used": tokens_used, "version": version,
+            "next_gid": next_gid, "trained_rollouts": trained_rollouts, "next_eval": next_eval,
+            "curve": [list(p) for p in curve], "entropy": entropy, "clip_frac": clip_frac,
+            "elapsed": elapsed + time.perf_counter() - start, "buffer_manifest": manifest,
+        })
+
     while tokens_used < cfg.budget_tokens:
         prompts, digits = task.prompts(arm.prompts_per_step, prompt_gen)
         prompts = prompts.repeat_interleave(arm.group_size, dim=0)
@@ -212,7 +267,9 @@ def train_arm(
             next_eval += cfg.eval_every_tokens
             if tokens_used >= cfg.budget_tokens:
                 break
-    wall = time.perf_counter() - start
+        if trainer_ckpt is not None and version % checkpoint_every == 0 and tokens_used < cfg.budget_tokens:
+            save_checkpoint()
+    wall = elapsed + time.perf_counter() - start
     reached = next((t for t, a in curve if a >= cfg.target_acc), None)
     result: dict[str, Any] = {
         "config": asdict(arm),
@@ -231,6 +288,7 @@ def train_arm(
     }
     if buf is not None:
         result["buffer_metrics"] = {k: float(v) for k, v in buf.metrics().items() if _is_number(v)}
+        buf.close()  # publishes a final checkpoint
     return result
 
 
@@ -390,22 +448,32 @@ def run(
         seed: base seed; ``full`` uses ``seed, seed + 1, seed + 2``.
         full: 3 seeds and a third arm with uniform FIFO replay.
         quick: a few steps only, for tests (well under a minute).
-        resume, s3, endpoint_url: reserved for checkpointing; not implemented yet.
+        resume: continue a killed demo: finished arms are read back from ``out/progress.json``, the
+            interrupted one continues from its last checkpoint.
+        s3: checkpoint to ``s3://bucket/prefix`` instead of ``file://<out>/checkpoints``.
+        endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
 
     Returns:
         0 (a process exit code).
     """
-    if resume or s3 is not None or endpoint_url is not None:
-        raise NotImplementedError(
-            "torchreplay demo: resume/s3/endpoint_url need demo checkpointing, which is not implemented yet; "
-            "run without them (resume=False, s3=None, endpoint_url=None)."
-        )
+    if endpoint_url is not None and s3 is None:
+        raise ValueError("--endpoint-url only applies with --s3")
+    if s3 is not None and not s3.startswith("s3://"):
+        raise ValueError(f"--s3 must be an s3://bucket/prefix URI, got {s3!r}")
     from tqdm.auto import tqdm
 
     cfg = default_config(full=full, quick=quick)
     seeds = [seed, seed + 1, seed + 2] if full else [seed]
-    out_dir = Path(out)
+    out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    base_uri = s3.rstrip("/") if s3 else f"file://{out_dir / 'checkpoints'}"
+    progress_path = out_dir / "progress.json"
+    done: dict[str, Any] = json.loads(progress_path.read_text()) if (resume and progress_path.exists()) else {}
+    if not resume:
+        import shutil
+
+        for stale in ("checkpoints", "spill"):
+            shutil.rmtree(out_dir / stale, ignore_errors=True)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
@@ -418,10 +486,20 @@ def run(
             results[s] = {}
             for arm in cfg.arms:
                 label = f"seed {s} {arm.name}"
+                key = f"{s}/{arm.name}"
+                if key in done:
+                    results[s][arm.name] = done[key]
+                    print(f"{label}: finished before the interruption, results read back")
+                    continue
                 with tqdm(total=cfg.budget_tokens, desc=f"{label:<22}", unit="tok", unit_scale=True,
                           leave=True, dynamic_ncols=True) as bar:
-                    results[s][arm.name] = train_arm(arm, cfg, init, s, ev, progress=bar)
+                    results[s][arm.name] = train_arm(
+                        arm, cfg, init, s, ev, progress=bar, checkpoint_uri=f"{base_uri}/seed{s}-{arm.name}",
+                        endpoint_url=endpoint_url, spill_dir=out_dir / "spill" / f"seed{s}-{arm.name}",
+                        resume=resume, checkpoint_every=cfg.checkpoint_every)
                     bar.set_postfix(acc=f"{results[s][arm.name]['final_acc']:.3f}")
+                done[key] = results[s][arm.name]
+                progress_path.write_text(json.dumps(done))
             warm[s] = {"sft_seconds": sft_s, "start_acc": results[s][cfg.arms[0].name]["curve"][0][1]}
     finally:
         torch.set_num_threads(old_threads)

@@ -1,0 +1,122 @@
+"""The demo end to end in quick mode, plus its task and GRPO pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchreplay.demo import run
+from torchreplay.demo.grpo import group_advantages
+from torchreplay.demo.policy import TinyCausalLM, generate, token_logprobs
+from torchreplay.demo.task import SortTask
+
+
+@pytest.fixture(scope="module")
+def quick_out(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("demo")
+    assert run(out=str(out), quick=True) == 0
+    return out
+
+
+def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
+    res = json.loads((quick_out / "results.json").read_text())
+    assert {"config", "summary", "runs", "seeds", "total_wall_s"} <= res.keys()
+    runs = res["runs"][str(res["seeds"][0])]
+    assert set(runs) == {"on-policy", "replay"}
+    budget = res["config"]["budget_tokens"]
+    for name, r in runs.items():
+        assert {"curve", "tokens_to_target", "final_acc", "entropy", "wall_s", "generated_tokens"} <= r.keys()
+        assert all(0.0 <= acc <= 1.0 for _, acc in r["curve"])
+        assert 0.0 <= r["final_acc"] <= 1.0
+        assert r["entropy"] >= 0.0
+        # Each arm stops at the first step that reaches the shared budget.
+        c = r["config"]
+        per_step = c["prompts_per_step"] * c["group_size"] * (res["config"]["num_digits"] + 1)
+        assert budget <= r["generated_tokens"] < budget + per_step
+        tokens = [t for t, _ in r["curve"]]
+        assert tokens == sorted(tokens) and tokens[0] == 0 and tokens[-1] == r["generated_tokens"]
+    assert runs["on-policy"]["config"]["replay_ratio"] == 0.0
+    assert runs["replay"]["config"]["replay_ratio"] > 0.0
+    metrics = runs["replay"]["buffer_metrics"]
+    assert metrics["sampled_replay"] > 0 and metrics["reuse_mean"] >= 0.0
+    # Replay trains on more rollouts for the same generated tokens: that is the whole point.
+    assert runs["replay"]["trained_rollouts"] > runs["on-policy"]["trained_rollouts"]
+    assert (quick_out / "accuracy_vs_tokens.png").stat().st_size > 1000
+    assert (quick_out / "accuracy_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "on-policy" in (quick_out / "table.txt").read_text()
+
+
+def test_killed_demo_resumes_to_the_same_result(tmp_path, quick_out) -> None:
+    """SIGKILL the demo while the replay arm trains; --resume finishes it with exactly the results
+    of the uninterrupted run (model, optimizer, generators and buffer all restored)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "killed"
+    child = subprocess.Popen([sys.executable, "-m", "torchreplay.demo", "--quick", "--out", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = out / "checkpoints" / "seed0-replay" / "trainer" / "LATEST"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert marker.exists(), "the replay arm never checkpointed"
+    assert not (out / "results.json").exists(), "the demo finished before it could be killed"
+    assert run(out=str(out), quick=True, resume=True) == 0
+    resumed = json.loads((out / "results.json").read_text())["runs"]["0"]
+    straight = json.loads((quick_out / "results.json").read_text())["runs"]["0"]
+    for arm in ("on-policy", "replay"):
+        assert resumed[arm]["curve"] == straight[arm]["curve"], arm
+        assert resumed[arm]["trained_rollouts"] == straight[arm]["trained_rollouts"]
+    assert os.path.exists(out / "accuracy_vs_tokens.png")
+
+
+@pytest.mark.s3
+def test_demo_checkpoints_to_s3(tmp_path, s3_server, s3_bucket) -> None:
+    from torchreplay.checkpoint import open_store, read_manifest
+
+    assert run(out=str(tmp_path), quick=True, s3=f"s3://{s3_bucket}/demo", endpoint_url=s3_server.endpoint_url) == 0
+    store = open_store(f"s3://{s3_bucket}/demo/seed0-replay/buffer", s3_server.endpoint_url)
+    assert read_manifest(store)["rollouts"] > 0
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_task_scoring() -> None:
+    task = SortTask(4)
+    digits = torch.tensor([[3, 1, 2, 1], [0, 0, 9, 5]])
+    target = task.target(digits)
+    reward, exact = task.score(digits, target)
+    assert exact.all() and torch.equal(reward, torch.ones(2))
+    eos = task.tok.eos_id
+    # Row 0: first two digits right then an early EOS; row 1: all wrong.
+    bad = torch.tensor([[1, 1, eos, eos, eos], [9, 9, 0, 0, 1]])
+    reward, exact = task.score(digits, bad)
+    assert not exact.any()
+    assert reward.tolist() == pytest.approx([2 / 5, 0.0])
+
+
+def test_generation_logprobs_match_a_full_forward() -> None:
+    task = SortTask(4)
+    torch.manual_seed(0)
+    model = TinyCausalLM(len(task.tok), max_len=task.prompt_len + task.max_new_tokens)
+    g = torch.Generator().manual_seed(0)
+    prompts, _ = task.prompts(16, g)
+    ro = generate(model, prompts, task.max_new_tokens, task.tok.eos_id, g)
+    lp, _ = token_logprobs(model, ro.tokens)
+    m = ro.response_mask
+    assert torch.allclose(lp[m], ro.logprobs[m], atol=1e-5)
+    assert ro.num_generated == int(m.sum()) and not m[:, : task.prompt_len].any()
+
+
+def test_group_advantages() -> None:
+    reward = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    gid = torch.tensor([7, 7, 7, 7, 9, 9])
+    adv = group_advantages(reward, gid)
+    assert adv[:4].sum().abs() < 1e-5 and adv[0] > 0 > adv[1]
+    assert torch.equal(adv[4:], torch.zeros(2))
