@@ -34,7 +34,8 @@ TORCH_LIBRARY(torchreplay, m) {
   m.def("tree_min(Tensor mins) -> Tensor");
   m.def("tree_get(Tensor leaves, Tensor indices, int capacity) -> Tensor");
   m.def("tree_rebuild(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, int capacity) -> ()");
-  m.def("pad_rows(Tensor values, Tensor starts, Tensor lengths, Tensor dest, Tensor(a!) out, bool left) -> ()");
+  m.def("pad_rows(Tensor values, Tensor starts, Tensor lengths, Tensor dest, Tensor(a!) out, bool left, "
+        "Scalar? fill=None) -> ()");
   m.def("cuda_version() -> int", &cuda_version);
 }
 

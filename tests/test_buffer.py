@@ -65,6 +65,19 @@ def test_sample_returns_the_stored_rollouts_padded(side):
         assert out.group_id[k] == batch["group_id"][slot]
 
 
+def test_reused_output_buffers_give_the_same_batches():
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), padding_side="left", pad_token_id=-7)
+    buf.add(make_batch(40, seed=3, max_len=30))
+    fresh = [buf.sample(16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    pointers = set()
+    for s, expected in enumerate(fresh):
+        got = buf.sample(16, generator=torch.Generator().manual_seed(s), reuse_output=True)
+        pointers.add(got.tokens.untyped_storage().data_ptr())
+        for name in ("tokens", "logprobs", "response_mask", "attention_mask"):
+            assert torch.equal(got.data[name], expected.data[name]), name
+    assert len(pointers) == 1, "the arena is reused across calls"
+
+
 def test_ragged_input_formats_store_the_same_data():
     batch = make_batch(6, seed=2)
     as_offsets = dict(batch)

@@ -77,5 +77,5 @@ def _(leaves, sums, mins, capacity):
 
 
 @torch.library.register_fake("torchreplay::pad_rows")
-def _(values, starts, lengths, dest, out, left):
+def _(values, starts, lengths, dest, out, left, fill=None):
     return None

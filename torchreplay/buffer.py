@@ -101,6 +101,7 @@ class _Plan:
     reuse: torch.Tensor
     shards: list
     fields: list[str]
+    reuse_output: bool = False
 
 
 class _SlotTable:
@@ -210,6 +211,7 @@ class RolloutBuffer:
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.on_corrupt = on_corrupt
         self._prefetcher: ThreadPoolExecutor | None = None
+        self._arenas: dict[str, torch.Tensor] = {}
         self._next_seq = 0
         # Free slots as a stack: the lowest slot is reused first, deterministically.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -320,12 +322,23 @@ class RolloutBuffer:
         self._counters[f"evicted_{reason}"] += slots.numel()
 
     def _evict_oldest(self, k: int) -> None:
-        victims: list[int] = []
-        while len(victims) < k:
-            slot, seq = self._fifo.popleft()
-            if self._alive(slot, seq):
-                victims.append(slot)
-        self._evict(torch.tensor(victims, dtype=torch.int64), "capacity")
+        victims: list[torch.Tensor] = []
+        found = 0
+        t = self._table
+        while found < k:
+            # Check FIFO entries in vectorized chunks; dead entries (evicted earlier) are dropped.
+            take = min(len(self._fifo), max(2 * (k - found), 64))
+            chunk = torch.tensor([self._fifo.popleft() for _ in range(take)], dtype=torch.int64)
+            alive = t.live[chunk[:, 0]] & (t.seq[chunk[:, 0]] == chunk[:, 1])
+            alive_rows = alive.nonzero().flatten()
+            need = k - found
+            if alive_rows.numel() > need:
+                cut = int(alive_rows[need])
+                self._fifo.extendleft(reversed([tuple(p) for p in chunk[cut:].tolist()]))
+                alive_rows = alive_rows[:need]
+            victims.append(chunk[alive_rows, 0])
+            found += alive_rows.numel()
+        self._evict(torch.cat(victims), "capacity")
 
     def advance(self, policy_version: int) -> int:
         """Set the current policy version; evict rollouts older than `max_staleness` versions.
@@ -392,9 +405,14 @@ class RolloutBuffer:
         batch_size: int,
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
+        reuse_output: bool = False,
     ) -> ReplayBatch:
-        """Draw `batch_size` rollouts (with replacement) through the sampler; padded, on `device`."""
-        return self.sample_async(batch_size, device, generator, _inline=True).result()
+        """Draw `batch_size` rollouts (with replacement) through the sampler; padded, on `device`.
+
+        `reuse_output=True` writes the padded token fields into buffers kept across calls (much
+        faster for large batches); the returned tensors are then valid only until the next
+        `sample(..., reuse_output=True)`: copy or consume them first (moving to a device copies)."""
+        return self.sample_async(batch_size, device, generator, _inline=True, _reuse=reuse_output).result()
 
     def sample_async(
         self,
@@ -402,6 +420,7 @@ class RolloutBuffer:
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
         _inline: bool = False,
+        _reuse: bool = False,
     ) -> "PendingBatch":
         """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
         caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
@@ -412,6 +431,7 @@ class RolloutBuffer:
         generator = generator if generator is not None else self.generator
         slots, weights = self.sampler.sample(batch_size, generator)
         plan = self._plan(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
+        plan.reuse_output = _reuse
         self._counters["sampled_replay"] += batch_size
         self._counters["sample_calls"] += 1
         self._record_use(slots, weights)
@@ -563,6 +583,19 @@ class RolloutBuffer:
         finally:
             self.storage.unpin_shards(plan.shards)
 
+    def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+        """An uninitialized padded output (every element is written by pad_rows). With `reuse`, a
+        view of a per-field arena kept across calls: writing into warm memory instead of freshly
+        faulted pages is most of the cost of a large batch."""
+        if not reuse:
+            return torch.empty(shape, dtype=dtype)
+        need = math.prod(shape)
+        arena = self._arenas.get(name)
+        if arena is None or arena.numel() < need or arena.dtype != dtype:
+            arena = torch.empty(need, dtype=dtype, pin_memory=self.storage.pin)
+            self._arenas[name] = arena
+        return arena[:need].view(shape)
+
     def _pad(self, plan: _Plan) -> ReplayBatch:
         n = plan.slots.numel()
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
@@ -582,11 +615,13 @@ class RolloutBuffer:
         for name in token_fields:
             spec = self.fields[name]
             fill = self.pad_token_id if name == "tokens" else 0
-            out = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype)
+            out = self._output(name, (n, width, *spec.shape), spec.dtype, plan.reuse_output)
             for at, batch, index in parts:
                 values = batch.token.get(name)
                 if values is not None:
-                    ops.pad_rows(values, batch.offsets[index], lengths[at], at, out, left)
+                    ops.pad_rows(values, batch.offsets[index], lengths[at], at, out, left, fill)
+                else:  # a shard stored before this optional field existed: all padding
+                    out[at] = fill
             data[name] = out
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
         for name in extra_rollout:
