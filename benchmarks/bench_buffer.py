@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""Per-step cost of torchreplay's RolloutBuffer next to TorchRL, on realistic LLM rollouts.
+
+One RL step of a GRPO-style trainer, on the CPU, for each contender:
+
+* ``add``: store the step's fresh rollouts (default 8192: 512 prompts x group 16). Each rollout
+  is a 1024-token prompt plus a response whose length is lognormal with mean 4000 tokens and
+  coefficient of variation 1, capped at 16000. Per token: ``tokens`` int64, ``logprobs`` float32,
+  ``response_mask`` bool (13 B/token, ~66 KB per rollout, ~0.54 GB per step).
+* ``sample+update``: draw a training batch of B rollouts (default B = rollouts per step), get it
+  as padded [B, T] tensors (tokens, logprobs, response_mask, attention_mask) with IS weights,
+  then write B new priorities (and, for torchreplay, ``advance`` the policy version).
+
+Contenders (each in its own child process, so that their memory does not overlap):
+
+* **torchreplay**: ``RolloutBuffer(capacity, PrioritizedSampler(alpha, beta, eps))``, hot-only
+  storage; ``add`` gets the fast ragged form ``{"values": flat, "offsets": [n+1]}``;
+  ``sample(B)`` returns the padded batch; ``update_priorities(handles, A)``; ``advance(v)``.
+* **torchrl**: ``TensorDictReplayBuffer(storage=LazyStackStorage(capacity),
+  sampler=PrioritizedSampler(capacity, alpha, beta, eps))``. LazyStackStorage (a list of
+  per-rollout TensorDicts, sampled as a LazyStackedTensorDict) is what TorchRL's own LLM recipes
+  use for ragged rollouts. A padded LazyTensorStorage would need capacity x 17k x 13 B (~15 GB at
+  64k slots), far over this machine's RAM. ``add`` = building the per-rollout TensorDicts from
+  the same flat tensors (zero-copy views) + ``extend``; ``sample+update`` = ``sample(B)`` +
+  padding the three token fields with ``LazyStackedTensorDict.get(key, as_padded_tensor=True)``
+  (the same [B, T] tensors torchreplay returns) + ``update_priority(index, |A|)``.
+
+Both use the same capacity, the same data, priorities (|A| + eps) ** alpha, FIFO overwrite when
+full. The buffers are first filled to capacity (add only), then ``--steps`` full steps are timed.
+Reported: median seconds per step for each part, the torchreplay / torchrl ratio, and
+torchreplay's share of a ``--step-seconds`` (30 s) RL step (target: at most 1%).
+
+Capacity: 1M slots would need 1M x ~66 KB = ~66 GB; the default is the largest power of two
+whose rollout bytes fit in 40% of the RAM left after the sampled batch and step data (stated in
+the output), capped at 1M. Override with --capacity.
+
+    python benchmarks/bench_buffer.py            # 8192 rollouts/step, B=8192 (~5-8 min on 2 cores)
+    python benchmarks/bench_buffer.py --quick    # 1024 rollouts/step, B=1024, capacity 8192
+
+Run TorchRL from a venv that has it (benchmarks/setup_peers.sh), e.g.
+    PYTHONPATH=. /tmp/benchvenv/bin/python benchmarks/bench_buffer.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_buffer.md"
+CONTENDERS = ("torchreplay", "torchrl")
+BYTES_PER_TOKEN = 8 + 4 + 1  # tokens int64 + logprobs float32 + response_mask bool
+MAX_CAPACITY = 1 << 20
+VOCAB = 151_000
+
+
+# --------------------------------------------------------------------------- data
+
+
+class RolloutSource:
+    """Fresh rollouts per step, as a generator would hand them over: flat token tensors + offsets.
+
+    Random pools are generated once; each step slices and clones them (outside the timed region),
+    so every step's tensors are new memory that the buffers must hold on their own.
+    """
+
+    def __init__(self, cfg: dict[str, Any], seed: int) -> None:
+        self.n = cfg["rollouts_per_step"]
+        self.prompt = cfg["prompt_len"]
+        self.max_resp = cfg["max_response"]
+        self.group = cfg["group"]
+        self.gen = torch.Generator().manual_seed(seed)
+        cv = cfg["response_cv"]
+        self.sigma = math.sqrt(math.log1p(cv * cv))
+        self.mu = math.log(cfg["mean_response"]) - self.sigma**2 / 2
+        mean_len = self.prompt + cfg["mean_response"]
+        pool = int(self.n * mean_len * 1.25) + self.prompt + self.max_resp
+        self.tok_pool = torch.randint(0, VOCAB, (pool,), generator=self.gen)
+        self.lp_pool = -torch.rand(pool, generator=self.gen) * 5
+        self.step = 0
+
+    def lengths(self) -> torch.Tensor:
+        while True:
+            resp = torch.exp(self.mu + self.sigma * torch.randn(self.n, generator=self.gen))
+            resp = resp.round().clamp_(1, self.max_resp).long()
+            total = int(resp.sum()) + self.n * self.prompt
+            if total <= self.tok_pool.numel():
+                return resp + self.prompt
+
+    def next(self) -> dict[str, Any]:
+        n, lengths = self.n, self.lengths()
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        total = int(offsets[-1])
+        shift = torch.randint(0, self.tok_pool.numel() - total + 1, (1,), generator=self.gen).item()
+        tokens = self.tok_pool[shift : shift + total].clone()
+        logprobs = self.lp_pool[shift : shift + total].clone()
+        pos = torch.arange(total) - torch.repeat_interleave(offsets[:-1], lengths)
+        response_mask = pos >= self.prompt
+        logprobs.masked_fill_(~response_mask, 0.0)
+        reward = (torch.rand(n, generator=self.gen) < 0.4).float()
+        groups = reward.view(-1, self.group)
+        advantage = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
+        advantage += 0.01 * torch.randn(n, generator=self.gen)  # no exact ties at zero
+        out = {
+            "offsets": offsets,
+            "lengths": lengths,
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "response_mask": response_mask,
+            "prompt_len": torch.full((n,), self.prompt, dtype=torch.int64),
+            "reward": reward,
+            "advantage": advantage,
+            "group_id": torch.arange(n, dtype=torch.int64) // self.group + self.step * (n // self.group),
+            "policy_version": self.step,
+        }
+        self.step += 1
+        return out
+
+
+def new_advantages(b: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(b, generator=gen)
+
+
+# ----------------------------------------------------------------------- contenders
+
+
+class TorchReplayContender:
+    name = "torchreplay"
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import torchreplay as tr
+
+        self.tr = tr
+        self.buf = tr.RolloutBuffer(
+            cfg["capacity"],
+            sampler=tr.PrioritizedSampler(alpha=cfg["alpha"], beta=cfg["beta"], eps=cfg["eps"]),
+            max_staleness=None,
+            overflow="evict_oldest",
+            seed=cfg["seed"],
+        )
+        self.gen = torch.Generator().manual_seed(cfg["seed"] + 7)
+        self.reuse_output = cfg.get("reuse_output", True)
+        self.note = (
+            f"torchreplay.RolloutBuffer({cfg['capacity']}, PrioritizedSampler(alpha={cfg['alpha']}, "
+            f"beta={cfg['beta']}, eps={cfg['eps']})), hot-only storage, overflow='evict_oldest'; "
+            "add({'values', 'offsets'}) ragged fast path; "
+            f"sample(B, reuse_output={cfg.get('reuse_output', True)}) -> padded ReplayBatch; "
+            "update_priorities(handles, A); advance(v)"
+        )
+
+    def add(self, d: dict[str, Any]) -> dict[str, float]:
+        off = d["offsets"]
+        batch = {
+            "tokens": {"values": d["tokens"], "offsets": off},
+            "logprobs": {"values": d["logprobs"], "offsets": off},
+            "response_mask": {"values": d["response_mask"], "offsets": off},
+            "prompt_len": d["prompt_len"],
+            "reward": d["reward"],
+            "advantage": d["advantage"],
+            "group_id": d["group_id"],
+            "policy_version": d["policy_version"],
+        }
+        t0 = time.perf_counter()
+        self.buf.add(batch)
+        return {"add": time.perf_counter() - t0}
+
+    def sample_update(self, b: int, version: int, adv: torch.Tensor) -> tuple[dict[str, float], Any]:
+        t0 = time.perf_counter()
+        batch = self.buf.sample(b, generator=self.gen, reuse_output=self.reuse_output)
+        t1 = time.perf_counter()
+        self.buf.update_priorities(batch.handles, adv)
+        t2 = time.perf_counter()
+        self.buf.advance(version)
+        t3 = time.perf_counter()
+        shape = tuple(batch.tokens.shape)
+        return {"sample": t1 - t0, "update": t2 - t1, "advance": t3 - t2}, (batch, shape)
+
+    def advance_only(self, version: int) -> None:
+        self.buf.advance(version)
+
+    def size(self) -> int:
+        return len(self.buf)
+
+
+class TorchRLContender:
+    name = "torchrl"
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from tensordict import TensorDict, lazy_stack
+        from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+        from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+
+        self.TensorDict, self.lazy_stack = TensorDict, lazy_stack
+        cap = cfg["capacity"]
+        self.rb = TensorDictReplayBuffer(
+            storage=LazyStackStorage(cap),
+            sampler=PrioritizedSampler(cap, alpha=cfg["alpha"], beta=cfg["beta"], eps=cfg["eps"]),
+            priority_key="priority",
+        )
+        torch.manual_seed(cfg["seed"] + 7)  # TorchRL's sampler draws from the global generator
+        self.note = (
+            f"torchrl.data.TensorDictReplayBuffer(storage=LazyStackStorage({cap}), "
+            f"sampler=PrioritizedSampler({cap}, alpha={cfg['alpha']}, beta={cfg['beta']}, eps={cfg['eps']}), "
+            "priority_key='priority'); add = per-rollout TensorDicts of zero-copy views of the flat tensors, "
+            "lazy_stack, set advantage/priority=|A|, extend; sample(B) then "
+            "get(key, as_padded_tensor=True) for tokens/logprobs/response_mask + attention_mask from lengths; "
+            "update_priority(index, |A|)"
+        )
+
+    def add(self, d: dict[str, Any]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        lens = d["lengths"].tolist()
+        td_cls = self.TensorDict
+        tds = [
+            td_cls(tokens=t, logprobs=lp, response_mask=m, batch_size=[])
+            for t, lp, m in zip(d["tokens"].split(lens), d["logprobs"].split(lens), d["response_mask"].split(lens))
+        ]
+        stacked = self.lazy_stack(tds)
+        stacked.set("advantage", d["advantage"])
+        stacked.set("reward", d["reward"])
+        stacked.set("group_id", d["group_id"])
+        stacked.set("prompt_len", d["prompt_len"])
+        stacked.set("policy_version", torch.full_like(d["group_id"], d["policy_version"]))
+        stacked.set("priority", d["advantage"].abs())
+        t1 = time.perf_counter()
+        self.rb.extend(stacked)
+        t2 = time.perf_counter()
+        return {"add": t2 - t0, "build": t1 - t0, "extend": t2 - t1}
+
+    def sample_update(self, b: int, version: int, adv: torch.Tensor) -> tuple[dict[str, float], Any]:
+        t0 = time.perf_counter()
+        s = self.rb.sample(b)
+        t1 = time.perf_counter()
+        out = {
+            k: s.get(k, as_padded_tensor=True, padding_side="right", padding_value=0)
+            for k in ("tokens", "logprobs", "response_mask")
+        }
+        lengths = torch.tensor([td.get("tokens").shape[0] for td in s.tensordicts], dtype=torch.int64)
+        out["attention_mask"] = torch.arange(out["tokens"].shape[1])[None, :] < lengths[:, None]
+        out["weights"] = s.get("priority_weight")
+        index = s.get("index")
+        t2 = time.perf_counter()
+        self.rb.update_priority(index, adv.abs())
+        t3 = time.perf_counter()
+        shape = tuple(out["tokens"].shape)
+        return {"sample": t1 - t0, "pad": t2 - t1, "update": t3 - t2}, (out, shape)
+
+    def advance_only(self, version: int) -> None:
+        pass
+
+    def size(self) -> int:
+        return len(self.rb)
+
+
+CONTENDER_CLASSES = {"torchreplay": TorchReplayContender, "torchrl": TorchRLContender}
+
+
+# ------------------------------------------------------------------------- worker
+
+
+def run_worker(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fill to capacity (add only), then time `steps` full steps. Runs in a child process."""
+    if cfg["threads"] > 0:
+        torch.set_num_threads(cfg["threads"])
+    load_start = os.getloadavg()[0]
+    contender = CONTENDER_CLASSES[name](cfg)
+    src = RolloutSource(cfg, cfg["seed"])
+    adv_gen = torch.Generator().manual_seed(cfg["seed"] + 11)
+    n, b = cfg["rollouts_per_step"], cfg["batch_size"]
+    fill_steps = max(1, -(-cfg["capacity"] // n))
+    fill: list[dict[str, float]] = []
+    started = time.perf_counter()
+    for _ in range(fill_steps):
+        d = src.next()
+        fill.append(contender.add(d))
+        contender.advance_only(src.step)
+        del d
+        print(f"[bench_buffer:{name}] fill step {src.step}: add {fill[-1]['add']:.3f}s, size {contender.size()}",
+              file=sys.stderr, flush=True)
+    steps: list[dict[str, float]] = []
+    shape: tuple[int, ...] = ()
+    for _ in range(cfg["steps"]):
+        d = src.next()
+        rec = contender.add(d)
+        del d
+        adv = new_advantages(b, adv_gen)
+        times, (batch, shape) = contender.sample_update(b, src.step, adv)
+        del batch  # freeing the padded batch is not timed
+        rec.update(times)
+        rec["sample_update"] = sum(v for k, v in times.items())
+        rec["total"] = rec["add"] + rec["sample_update"]
+        steps.append(rec)
+        print(
+            f"[bench_buffer:{name}] step {src.step}: "
+            + ", ".join(f"{k} {v:.3f}s" for k, v in rec.items())
+            + f"; batch {list(shape)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "name": name,
+        "note": contender.note,
+        "fill": fill,
+        "steps": steps,
+        "batch_shape": list(shape),
+        "size": contender.size(),
+        "peak_rss_bytes": peak,
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def spawn_worker(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one contender in a child process; return its result or {'error': ...}."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-config", json.dumps(cfg)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"worker exited with {proc.returncode}: {proc.stdout.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def probe(name: str) -> str | None:
+    """Why a contender cannot run here (import failure), or None."""
+    try:
+        if name == "torchreplay":
+            import torchreplay  # noqa: F401
+        else:
+            import tensordict  # noqa: F401
+            from torchrl.data import LazyStackStorage, TensorDictReplayBuffer  # noqa: F401
+            from torchrl.data.replay_buffers.samplers import PrioritizedSampler  # noqa: F401
+        return None
+    except Exception as exc:  # noqa: BLE001 - an unusable peer is skipped, whatever the reason
+        first = (str(exc).splitlines() or [""])[0]
+        hint = (
+            " (run from the repo root with PYTHONPATH=.)"
+            if name == "torchreplay"
+            else " (run benchmarks/setup_peers.sh and use that venv)"
+        )
+        return f"{type(exc).__name__}: {first}{hint}"
+
+
+# --------------------------------------------------------------------- capacity
+
+
+def mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def auto_capacity(cfg: dict[str, Any]) -> tuple[int, str]:
+    mean_len = cfg["prompt_len"] + cfg["mean_response"]
+    width = cfg["prompt_len"] + cfg["max_response"]
+    per_rollout = mean_len * BYTES_PER_TOKEN
+    step_bytes = cfg["rollouts_per_step"] * per_rollout
+    # Padded batch (tokens, logprobs, response_mask, attention_mask) and about as much again in
+    # temporaries while it is built.
+    sample_bytes = 2 * cfg["batch_size"] * width * (BYTES_PER_TOKEN + 1)
+    avail = mem_available()
+    budget = 0.4 * max(0, avail - sample_bytes - 3 * step_bytes)
+    cap = MAX_CAPACITY
+    while cap > cfg["rollouts_per_step"] and cap * per_rollout > budget:
+        cap //= 2
+    cap = max(cap, cfg["rollouts_per_step"])
+    why = (
+        f"1M slots x {mean_len} tokens x {BYTES_PER_TOKEN} B = {MAX_CAPACITY * per_rollout / 1e9:.0f} GB does not fit; "
+        f"MemAvailable {avail / 2**30:.1f} GiB minus a sampled batch (~{sample_bytes / 2**30:.1f} GiB with "
+        f"temporaries) and 3 steps of data ({3 * step_bytes / 2**30:.1f} GiB), 40% of the rest "
+        f"({budget / 2**30:.1f} GiB) holds {cap} slots ({cap * per_rollout / 2**30:.1f} GiB of rollouts)"
+    )
+    return cap, why
+
+
+# ------------------------------------------------------------------------ report
+
+
+def med(records: list[dict[str, float]], key: str) -> float | None:
+    vals = [r[key] for r in records if key in r]
+    return statistics.median(vals) if vals else None
+
+
+def fmt_s(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.4f}" if v < 0.1 else f"{v:.3f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    res = report["results"]
+    tr_, rl = res.get("torchreplay"), res.get("torchrl")
+    step_s = report["meta"]["RL step (s)"]
+    if rl:
+        for r in rl["steps"]:
+            r["sample_padded"] = r["sample"] + r["pad"]
+    rows = [
+        ("add (s)", "add", "add"),
+        ("sample to a padded batch (s)", "sample", "sample_padded"),
+        ("update priorities (s)", "update", "update"),
+        ("advance (s)", "advance", None),
+        ("**sample + update** (s)", "sample_update", "sample_update"),
+        ("**add + sample + update** (s)", "total", "total"),
+    ]
+    lines = [
+        "# Replay-buffer step benchmark (CPU)",
+        "",
+        f"Median seconds per RL step over {report['meta']['timed steps']} timed steps at a full buffer "
+        "(lower is better); ratio < 1 means torchreplay is faster.",
+        "",
+        "| per step | torchreplay | torchrl | torchreplay / torchrl |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, k_tr, k_rl in rows:
+        a = med(tr_["steps"], k_tr) if tr_ and k_tr else None
+        b = med(rl["steps"], k_rl) if rl and k_rl else None
+        ratio = f"{a / b:.2f}x" if a is not None and b else "—"
+        lines.append(f"| {label} | {fmt_s(a)} | {fmt_s(b)} | {ratio} |")
+    if rl:
+        lines += [
+            "",
+            f"TorchRL breakdown: add = build TensorDicts {fmt_s(med(rl['steps'], 'build'))} s + extend "
+            f"{fmt_s(med(rl['steps'], 'extend'))} s; sample to a padded batch = sample (lazy stack) "
+            f"{fmt_s(med(rl['steps'], 'sample'))} s + padding {fmt_s(med(rl['steps'], 'pad'))} s.",
+        ]
+    if tr_:
+        total = med(tr_["steps"], "total")
+        add = med(tr_["steps"], "add")
+        su = med(tr_["steps"], "sample_update")
+        lines += [
+            "",
+            f"**torchreplay's share of a {step_s:.0f} s RL step: {100 * total / step_s:.2f}%** "
+            f"(add {100 * add / step_s:.2f}%, sample+update {100 * su / step_s:.2f}%); target <= 1%: "
+            + ("met." if total / step_s <= 0.01 else "**not met**."),
+        ]
+    if rl:
+        total = med(rl["steps"], "total")
+        lines.append(f"TorchRL's share of the same step: {100 * total / step_s:.2f}%.")
+    lines += ["", "## Per contender", ""]
+    lines += ["| contender | fill add (s, median) | first add (s) | batch shape | size | peak RSS (GiB) | wall (s) |",
+              "|---|---:|---:|---|---:|---:|---:|"]
+    for name, r in res.items():
+        lines.append(
+            f"| {name} | {fmt_s(med(r['fill'], 'add'))} | {fmt_s(r['fill'][0]['add'])} | {r['batch_shape']} | "
+            f"{r['size']} | {r['peak_rss_bytes'] / 2**30:.2f} | {r['wall_s']:.0f} |"
+        )
+    lines += ["", "## Contenders", ""]
+    lines += [f"- **{name}**: {r['note']}" for name, r in res.items()]
+    if report["skipped"]:
+        lines += ["", "## Skipped", ""]
+        lines += [f"- **{name}**: {why}" for name, why in report["skipped"].items()]
+    lines += ["", "## Setup", ""]
+    lines += [f"- {k}: {v}" for k, v in report["meta"].items()]
+    lines += [
+        "",
+        (
+            "Notes: each contender runs alone in a child process (load averages above are per child at start/end). "
+            "Fresh tensors each step (cloned from random pools outside the timed region). The buffer is first "
+            "filled to capacity with add-only steps ('fill'); timed steps then evict the oldest rollouts. "
+            "torchreplay's sample+update includes advance(); TorchRL has no equivalent. The padded batch is "
+            "freed outside the timed region."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def peer_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str] = {}
+    for dist in ("torchrl", "tensordict"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    try:
+        import torchreplay
+
+        out["torchreplay"] = f"{getattr(torchreplay, '__version__', '?')} ({Path(torchreplay.__file__).parent})"
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1024 rollouts/step, B=1024, capacity <= 8192, 3 steps")
+    p.add_argument("--rollouts-per-step", type=int, help="fresh rollouts added per step (default 8192; quick 1024)")
+    p.add_argument("--batch-size", type=int, help="rollouts sampled per step (default: rollouts per step)")
+    p.add_argument("--capacity", type=int, help="buffer slots for both contenders (default: largest that fits)")
+    p.add_argument("--steps", type=int, help="timed steps after the fill (default 3)")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--mean-response", type=int, default=4000)
+    p.add_argument("--response-cv", type=float, default=1.0, help="coefficient of variation of response length")
+    p.add_argument("--max-response", type=int, default=16000)
+    p.add_argument("--group", type=int, default=16, help="rollouts per prompt (GRPO group)")
+    p.add_argument("--no-reuse-output", action="store_true",
+                   help="torchreplay allocates fresh padded outputs per sample (default: reuse_output=True)")
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--beta", type=float, default=0.4)
+    p.add_argument("--eps", type=float, default=1e-3)
+    p.add_argument("--step-seconds", type=float, default=30.0, help="RL step time the buffer's share is taken of")
+    p.add_argument("--contenders", type=lambda s: s.split(","), default=list(CONTENDERS))
+    p.add_argument("--out", type=Path, help="Markdown output, JSON written next to it (default "
+                   "benchmarks/results/bench_buffer.md, or bench_buffer_quick.md with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per contender")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads; 0 keeps torch's default. The default 1 avoids OpenMP stalls when "
+        "other processes share the cores",
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT.with_name("bench_buffer_quick.md") if args.quick else DEFAULT_OUT
+    if set(args.contenders) - set(CONTENDERS):
+        p.error(f"unknown contenders: {sorted(set(args.contenders) - set(CONTENDERS))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        result = run_worker(args.worker, json.loads(args.worker_config))
+        print(json.dumps(result), flush=True)
+        return 0
+
+    n = args.rollouts_per_step or (1024 if args.quick else 8192)
+    cfg: dict[str, Any] = {
+        "rollouts_per_step": n,
+        "batch_size": args.batch_size or n,
+        "steps": args.steps or 3,
+        "prompt_len": args.prompt_len,
+        "mean_response": args.mean_response,
+        "response_cv": args.response_cv,
+        "max_response": args.max_response,
+        "group": args.group,
+        "reuse_output": not args.no_reuse_output,
+        "alpha": args.alpha,
+        "beta": args.beta,
+        "eps": args.eps,
+        "seed": args.seed,
+        "threads": args.threads,
+    }
+    if n % args.group:
+        sys.exit(f"--rollouts-per-step ({n}) must be a multiple of --group ({args.group})")
+    if args.capacity:
+        cfg["capacity"], why = args.capacity, "set with --capacity"
+    else:
+        cfg["capacity"], why = auto_capacity(cfg)
+        if args.quick:
+            cfg["capacity"] = min(cfg["capacity"], 8 * n)
+            why += f"; --quick caps it at 8 steps ({8 * n})"
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    load1 = os.getloadavg()[0]
+    if load1 > 0.5:
+        print(f"[bench_buffer] warning: 1-min load average is {load1:.2f}; results may be noisy", file=sys.stderr)
+    print(f"[bench_buffer] capacity {cfg['capacity']}: {why}", file=sys.stderr)
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for name in args.contenders:
+        why_not = probe(name)
+        if why_not:
+            skipped[name] = why_not
+            print(f"[bench_buffer] skipping {name}: {why_not}", file=sys.stderr)
+            continue
+        res = spawn_worker(name, cfg, args.timeout)
+        if "error" in res:
+            skipped[name] = res["error"]
+            print(f"[bench_buffer] {name} failed: {res['error']}", file=sys.stderr)
+        else:
+            results[name] = res
+
+    mean_len = cfg["prompt_len"] + cfg["mean_response"]
+    report = {
+        "meta": {
+            "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "cpu": f"{cpu_model()} ({os.cpu_count()} cores, {args.threads} torch threads per worker)",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **peer_versions(),
+            "load average at start": f"{load1:.2f}",
+            "load average per worker (start/end)": ", ".join(
+                f"{k} {r['load_start']:.2f}/{r['load_end']:.2f}" for k, r in results.items()
+            ),
+            "rollouts per step": n,
+            "batch size B": cfg["batch_size"],
+            "capacity": f"{cfg['capacity']} ({why})",
+            "rollout": (
+                f"{cfg['prompt_len']} prompt tokens + lognormal response (mean {cfg['mean_response']}, "
+                f"CV {cfg['response_cv']}, cap {cfg['max_response']}); group {cfg['group']}; "
+                f"~{mean_len * BYTES_PER_TOKEN / 1e3:.0f} KB/rollout, "
+                f"~{n * mean_len * BYTES_PER_TOKEN / 1e9:.2f} GB/step"
+            ),
+            "sampler": f"prioritized, alpha {cfg['alpha']}, beta {cfg['beta']}, eps {cfg['eps']}",
+            "timed steps": cfg["steps"],
+            "RL step (s)": args.step_seconds,
+            "seed": args.seed,
+        },
+        "config": cfg,
+        "skipped": skipped,
+        "results": results,
+    }
+    report["meta"]["wall time (s)"] = round(time.perf_counter() - started, 1)
+    if not results:
+        print("[bench_buffer] no contender ran", file=sys.stderr)
+        return 1
+    markdown = render_markdown(report)
+    print(markdown)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown)
+    json_path = args.out.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[bench_buffer] wrote {args.out} and {json_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
