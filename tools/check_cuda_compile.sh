@@ -18,4 +18,34 @@ while IFS= read -r -d '' cu; do
     status=1
   fi
 done < <(find csrc -name '*.cu' -print0)
+
+# The torch glue of the CUDA build (csrc/cuda/*.cpp, and ops.cpp with CUDA on) needs the CUDA build
+# of torch's headers, which the CPU wheel lacks. torch 2.14.1's CUDA wheel lies on this kind of
+# machine's local disk: take only its headers (C++20) and syntax-check the glue against them.
+headers=build/cuda-torch-headers
+if [ ! -d "$headers/torch/include" ]; then
+  wheel_dir=$(mktemp -d)
+  if python3 -m pip download -q --no-deps torch==2.14.1 -d "$wheel_dir" >/dev/null 2>&1 \
+      && unzip -q -o "$wheel_dir"/torch-2.14.1-*.whl 'torch/include/*' -d "$headers"; then
+    echo "cuda-check: unpacked torch 2.14.1 CUDA headers into $headers"
+  else
+    echo "cuda-check: torch 2.14.1 CUDA wheel not available here, skipping the glue check"
+    rm -rf "$wheel_dir" "$headers"
+    exit $status
+  fi
+  rm -rf "$wheel_dir"
+fi
+inc="$headers/torch/include"
+cuda_inc=$(dirname "$(command -v nvcc)")/../include
+[ -d /usr/local/cuda/include ] && cuda_inc=/usr/local/cuda/include
+py_inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+for src in csrc/cuda/tree_cuda_ops.cpp csrc/ops.cpp; do
+  if g++ -std=c++20 -fsyntax-only -DTORCHREPLAY_WITH_CUDA -I"$inc" -I"$inc/torch/csrc/api/include" \
+      -I"$cuda_inc" -I"$py_inc" "$src"; then
+    echo "cuda-check: ok   $src (CUDA torch glue, C++20)"
+  else
+    echo "cuda-check: FAIL $src"
+    status=1
+  fi
+done
 exit $status
