@@ -150,6 +150,7 @@ class TorchReplayContender:
             max_staleness=None,
             overflow="evict_oldest",
             seed=cfg["seed"],
+            token_dtype=getattr(torch, cfg.get("token_dtype", "int64")),
         )
         self.gen = torch.Generator().manual_seed(cfg["seed"] + 7)
         self.reuse_output = cfg.get("reuse_output", True)
@@ -157,6 +158,7 @@ class TorchReplayContender:
             f"torchreplay.RolloutBuffer({cfg['capacity']}, PrioritizedSampler(alpha={cfg['alpha']}, "
             f"beta={cfg['beta']}, eps={cfg['eps']})), hot-only storage, overflow='evict_oldest'; "
             "add({'values', 'offsets'}) ragged fast path; "
+            f"token_dtype={cfg.get('token_dtype', 'int64')}; "
             f"sample(B, reuse_output={cfg.get('reuse_output', True)}) -> padded ReplayBatch; "
             "update_priorities(handles, A); advance(v)"
         )
@@ -529,6 +531,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--response-cv", type=float, default=1.0, help="coefficient of variation of response length")
     p.add_argument("--max-response", type=int, default=16000)
     p.add_argument("--group", type=int, default=16, help="rollouts per prompt (GRPO group)")
+    p.add_argument("--token-dtype", choices=["int64", "int32"], default="int64",
+                   help="torchreplay's stored/returned token dtype (TorchRL keeps the input's int64)")
     p.add_argument("--no-reuse-output", action="store_true",
                    help="torchreplay allocates fresh padded outputs per sample (default: reuse_output=True)")
     p.add_argument("--alpha", type=float, default=1.0)
@@ -574,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         "response_cv": args.response_cv,
         "max_response": args.max_response,
         "group": args.group,
+        "token_dtype": args.token_dtype,
         "reuse_output": not args.no_reuse_output,
         "alpha": args.alpha,
         "beta": args.beta,

@@ -78,6 +78,25 @@ def test_reused_output_buffers_give_the_same_batches():
     assert len(pointers) == 1, "the arena is reused across calls"
 
 
+def test_int32_token_storage():
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), token_dtype=torch.int32)
+    batch = make_batch(6, seed=12)
+    buf.add(batch)
+    out = buf.sample(12, generator=torch.Generator().manual_seed(0))
+    assert out.tokens.dtype == torch.int32
+    for k, slot in enumerate(out.handles.slot.tolist()):
+        n = batch["tokens"][slot].numel()
+        assert torch.equal(out.tokens[k, :n].long(), batch["tokens"][slot])
+    bad = make_batch(2, seed=13)
+    bad["tokens"][1][0] = 2**40
+    before = buf.state_dict()
+    with pytest.raises(tr.SchemaError, match="int32"):
+        buf.add(bad)
+    assert state_equal(buf.state_dict(), before)
+    with pytest.raises(ValueError, match="token_dtype"):
+        tr.RolloutBuffer(4, token_dtype=torch.float32)
+
+
 def test_ragged_input_formats_store_the_same_data():
     batch = make_batch(6, seed=2)
     as_offsets = dict(batch)

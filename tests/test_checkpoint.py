@@ -36,7 +36,8 @@ def test_resume_is_exact(tmp_path, tiered):
         return TieredStorage(hot_bytes=2000, spill_dir=tmp_path / name, io="posix") if tiered else None
 
     buf = tr.RolloutBuffer(40, sampler=tr.PrioritizedSampler(alpha=0.6, beta=0.4), max_staleness=3, max_reuse=3,
-                           seed=7, storage=storage("a"), checkpoint=Checkpointer(uri, interval_s=3600))
+                           seed=7, storage=storage("a"), checkpoint=Checkpointer(uri, interval_s=3600),
+                           token_dtype=torch.int32 if tiered else torch.int64)
     fill(buf)
     buf.checkpoint()
     resumed = tr.RolloutBuffer.from_checkpoint(uri, storage=storage("b"), progress=False)

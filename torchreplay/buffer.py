@@ -153,6 +153,8 @@ class RolloutBuffer:
         extra_fields: user-declared fields, name -> FieldSpec.
         storage: where rollout bytes live (default: hot-only, in host RAM). See TieredStorage.
         checkpoint: a Checkpointer: shards and manifests go to object storage in the background.
+        token_dtype: torch.int64 (default) or torch.int32, the dtype token ids are stored and
+            returned in; int32 halves the bytes of the largest field.
         seed: seeds the buffer's own generator, used when `sample`/`compose` get none (its state
             is part of state_dict and checkpoints).
         on_corrupt: when stored rollouts cannot be read back intact (checksum mismatch, vanished
@@ -176,6 +178,7 @@ class RolloutBuffer:
         on_corrupt: str = "raise",
         checkpoint: "Checkpointer | None" = None,
         seed: int | None = None,
+        token_dtype: torch.dtype = torch.int64,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
@@ -198,8 +201,9 @@ class RolloutBuffer:
         self.overflow = overflow
         self.padding_side = padding_side
         self.pad_token_id = int(pad_token_id)
-        self.fields: dict[str, FieldSpec] = default_fields(ref_logprobs, routing, extra_fields)
+        self.fields: dict[str, FieldSpec] = default_fields(ref_logprobs, routing, extra_fields, token_dtype)
         self._schema_args = {"ref_logprobs": ref_logprobs, "routing": list(routing) if routing else None,
+                             "token_dtype": str(token_dtype).removeprefix("torch."),
                              "extra_fields": sorted(extra_fields or {})}
         self.sampler: Sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(self.sampler, Sampler):
@@ -609,8 +613,10 @@ class RolloutBuffer:
             parts.append((at, batch, index))
         width = int(lengths.max()) if n else 0
         left = self.padding_side == "left"
-        positions = torch.arange(width)
-        valid = positions[None, :] >= (width - lengths)[:, None] if left else positions[None, :] < lengths[:, None]
+        # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
+        valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
+        ops.pad_rows(torch.ones(width, dtype=torch.bool), torch.zeros(n, dtype=torch.int64), lengths,
+                     torch.arange(n), valid, left, False)
         data: dict[str, torch.Tensor] = {}
         for name in token_fields:
             spec = self.fields[name]

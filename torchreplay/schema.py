@@ -50,10 +50,15 @@ def default_fields(
     ref_logprobs: bool = False,
     routing: tuple[int, int, int] | None = None,
     extra: Mapping[str, FieldSpec] | None = None,
+    token_dtype: torch.dtype = torch.int64,
 ) -> dict[str, FieldSpec]:
-    """The rollout schema. `routing=(num_experts, layers, top_k)` adds MoE routing ids per token."""
+    """The rollout schema. `routing=(num_experts, layers, top_k)` adds MoE routing ids per token.
+    `token_dtype` is how token ids are stored and returned (int32 halves their bytes; every
+    tokenizer's vocabulary fits)."""
+    if token_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_dtype must be torch.int32 or torch.int64, got {token_dtype}")
     fields = {
-        "tokens": FieldSpec("tokens", TOKEN, torch.int64, accept="int"),
+        "tokens": FieldSpec("tokens", TOKEN, token_dtype, accept="int"),
         "response_mask": FieldSpec("response_mask", TOKEN, torch.bool, accept="bool"),
         "logprobs": FieldSpec("logprobs", TOKEN, torch.float32),
         "prompt_len": FieldSpec("prompt_len", ROLLOUT, torch.int64, accept="int"),
@@ -279,6 +284,13 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec]) -> PackedBatch:
         raise SchemaError(
             f"field 'prompt_len', rollout {i}: must be in [0, {int(lengths[i])}] (the token count), got {int(prompt_len[i])}"
         )
+    if fields["tokens"].dtype == torch.int32 and token["tokens"].dtype != torch.int32 and token["tokens"].numel():
+        tok = token["tokens"]
+        lo, hi = (int(x) for x in torch.aminmax(tok))
+        if lo < -(2**31) or hi >= 2**31:
+            bad = ((tok < -(2**31)) | (tok >= 2**31)).nonzero()[0, 0]
+            i = int(torch.searchsorted(offsets, bad, right=True)) - 1
+            raise SchemaError(f"field 'tokens', rollout {i}: id outside the int32 range of token_dtype")
     if "routing" in token:
         spec = fields["routing"]
         routing = token["routing"]

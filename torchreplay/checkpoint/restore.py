@@ -61,6 +61,10 @@ def _buffer_kwargs(config: dict[str, Any], overrides: dict[str, Any] | None = No
     out = {k: config[k] for k in allowed if k in config}
     if out.get("routing") is not None:
         out["routing"] = tuple(out["routing"])
+    if "token_dtype" in config:
+        if config["token_dtype"] not in ("int32", "int64"):
+            raise CheckpointError(f"checkpoint token_dtype {config['token_dtype']!r} is not int32/int64")
+        out["token_dtype"] = getattr(torch, config["token_dtype"])
     if config.get("extra_fields") and "extra_fields" not in (overrides or {}):
         raise CheckpointError(f"the checkpoint declares extra fields {config['extra_fields']}: pass extra_fields=...")
     return out
