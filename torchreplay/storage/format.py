@@ -121,6 +121,58 @@ def page_crcs(data: memoryview, page_size: int, pool: Executor | None = None) ->
     return [c for part in pool.map(crcs, range(0, len(data), run)) for c in part]
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where every block of a shard goes, before its checksums are known."""
+
+    n: int
+    page_size: int
+    blocks: list[tuple[str, str, torch.dtype, tuple[int, ...], int, memoryview]]  # name, kind, dtype, shape, offset, bytes
+    file_bytes: int
+    header_room: int  # bytes reserved for preamble + header
+
+    def writes(self) -> list[tuple[int, memoryview]]:
+        return [(offset, data) for _, _, _, _, offset, data in self.blocks]
+
+    def header(self, crcs: dict[str, list[int]]) -> tuple[ShardHeader, bytes]:
+        """The final header given each block's page checksums; fits the reserved room."""
+        blocks = {name: BlockInfo(name, kind, dtype, shape, offset, len(data), tuple(crcs[name]))
+                  for name, kind, dtype, shape, offset, data in self.blocks}
+        header = ShardHeader(n=self.n, page_size=self.page_size, blocks=blocks, file_bytes=self.file_bytes)
+        text = json.dumps(header.to_json(), separators=(",", ":")).encode()
+        head = _PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
+        assert len(head) <= self.header_room, "header outgrew its reservation"
+        return header, head
+
+
+def layout_shard(
+    offsets: torch.Tensor,
+    token: dict[str, torch.Tensor],
+    rollout: dict[str, torch.Tensor],
+    page_size: int = PAGE_SIZE,
+) -> ShardLayout:
+    """Place every block. The header goes first in the file but is written last, once checksums
+    are known, so its room is reserved for the largest possible checksums (10 digits each)."""
+    n = offsets.numel() - 1
+    pieces: list[tuple[str, str, torch.Tensor]] = [("offsets", "offsets", offsets.to(torch.int64))]
+    pieces += [(name, "token", t) for name, t in token.items()]
+    pieces += [(name, "rollout", t) for name, t in rollout.items()]
+    datas = [(name, kind, t, _as_bytes(t)) for name, kind, t in pieces]
+    worst = {name: [0xFFFFFFFF] * max(1, -(-len(data) // page_size)) for name, _, _, data in datas}
+    header_room = ALIGN
+    while True:
+        cursor = align_up(_PREAMBLE.size + header_room)
+        blocks = []
+        for name, kind, t, data in datas:
+            blocks.append((name, kind, t.dtype, tuple(t.shape[1:]), cursor, data))
+            cursor = align_up(cursor + len(data))
+        layout = ShardLayout(n, page_size, blocks, max(cursor, ALIGN), align_up(_PREAMBLE.size + header_room))
+        _, head = ShardLayout(n, page_size, blocks, layout.file_bytes, 1 << 62).header(worst)
+        if len(head) <= layout.header_room:
+            return layout
+        header_room = len(head) + ALIGN
+
+
 def plan_shard(
     offsets: torch.Tensor,
     token: dict[str, torch.Tensor],
@@ -128,32 +180,11 @@ def plan_shard(
     page_size: int = PAGE_SIZE,
     pool: Executor | None = None,
 ) -> tuple[ShardHeader, list[tuple[int, memoryview]], bytes]:
-    """Lay a shard out: (header, [(file offset, bytes)] for every block, preamble + header bytes).
-
-    The caller writes the pieces (in any order, in parallel if it likes)."""
-    n = offsets.numel() - 1
-    pieces: list[tuple[str, str, torch.Tensor]] = [("offsets", "offsets", offsets.to(torch.int64))]
-    pieces += [(name, "token", t) for name, t in token.items()]
-    pieces += [(name, "rollout", t) for name, t in rollout.items()]
-    datas = [(name, kind, t, _as_bytes(t)) for name, kind, t in pieces]
-    # The header's size depends on the block offsets, which depend on the header's size: two passes
-    # with a generous estimate of the header settle it.
-    crcs = {name: page_crcs(data, page_size, pool) for name, _, _, data in datas}
-    header_room = ALIGN
-    while True:
-        cursor = align_up(_PREAMBLE.size + header_room)
-        blocks = {}
-        for name, kind, t, data in datas:
-            blocks[name] = BlockInfo(name, kind, t.dtype, tuple(t.shape[1:]), cursor, len(data), tuple(crcs[name]))
-            cursor = align_up(cursor + len(data))
-        header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=max(cursor, ALIGN))
-        text = json.dumps(header.to_json(), separators=(",", ":")).encode()
-        if _PREAMBLE.size + len(text) <= align_up(_PREAMBLE.size + header_room):
-            break
-        header_room = len(text) + ALIGN
-    head = _PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
-    writes = [(blocks[name].offset, data) for name, _, _, data in datas]
-    return header, writes, head
+    """A whole shard in one go: (header, [(file offset, bytes)] for every block, preamble + header)."""
+    layout = layout_shard(offsets, token, rollout, page_size)
+    crcs = {name: page_crcs(data, page_size, pool) for name, _, _, _, _, data in layout.blocks}
+    header, head = layout.header(crcs)
+    return header, layout.writes(), head
 
 
 def parse_header(head: bytes, file_bytes: int) -> ShardHeader:

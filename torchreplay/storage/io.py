@@ -10,8 +10,9 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from torchreplay.errors import StorageError
 from torchreplay.storage.format import ALIGN, align_up
@@ -38,9 +39,13 @@ def storage_error(exc: OSError, what: str, path: str) -> StorageError:
 class IOBackend(Protocol):
     name: str
 
-    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int,
+                   digest: Callable[[memoryview], Any] | None = None,
+                   finalize: Callable[[list[list[Any]]], Sequence[tuple[int, bytes]]] | None = None) -> None:
         """Write `pieces` (file offset, bytes) to a new file of `file_bytes`, atomically: the file
-        appears under `path` complete, or not at all."""
+        appears under `path` complete, or not at all. Each piece is written in TASK_BYTES parts;
+        `digest(part)` runs on every part next to its write (results per piece, in order), then
+        `finalize(results)` returns more pieces (a header) written before the file is published."""
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Read (offset, nbytes) ranges, 4 KiB aligned, in parallel."""
@@ -65,6 +70,15 @@ class PosixIO:
             raise ValueError("direct=True needs O_DIRECT, which this platform lacks")
         self.direct = direct
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-io")
+        self._local = threading.local()
+
+    def _staging(self) -> mmap.mmap:
+        """This thread's page-aligned O_DIRECT staging buffer, reused: a fresh mapping per request
+        would page-fault a whole task's worth of memory every time."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, TASK_BYTES)
+        return buf
 
     def _flags(self, base: int) -> int:
         return base | (os.O_DIRECT if self.direct else 0)
@@ -73,14 +87,23 @@ class PosixIO:
         view = memoryview(data).cast("B")
         if self.direct:
             # O_DIRECT needs aligned memory and sizes; the tail is zero-padded to the block's 4 KiB padding.
-            staged = mmap.mmap(-1, align_up(len(view)) or ALIGN)
+            staged = self._staging()
+            size = align_up(len(view)) or ALIGN
             staged[: len(view)] = view
-            view = memoryview(staged)[: align_up(len(view))]
+            staged[len(view) : size] = bytes(size - len(view))
+            view = memoryview(staged)[:size]
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
 
-    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+    def _digest_and_write(self, fd: int, data: memoryview, offset: int, digest) -> Any:
+        result = digest(data) if digest is not None else None
+        self._pwrite_all(fd, data, offset)
+        return result
+
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int,
+                   digest: Callable[[memoryview], Any] | None = None,
+                   finalize: Callable[[list[list[Any]]], Sequence[tuple[int, bytes]]] | None = None) -> None:
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
             fd = os.open(tmp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0o644)
@@ -90,10 +113,11 @@ class PosixIO:
             tasks = []
             for offset, data in pieces:
                 view = memoryview(data).cast("B")
-                for o, n in _split(offset, len(view)):
-                    tasks.append(self.pool.submit(self._pwrite_all, fd, view[o - offset : o - offset + n], o))
-            for t in tasks:
-                t.result()
+                tasks.append([self.pool.submit(self._digest_and_write, fd, view[o - offset : o - offset + n], o, digest)
+                              for o, n in _split(offset, len(view))])
+            results = [[t.result() for t in parts] for parts in tasks]
+            for offset, data in (finalize(results) if finalize is not None else ()):
+                self._pwrite_all(fd, data, offset)
             os.ftruncate(fd, file_bytes)
         except OSError as exc:
             os.close(fd)
@@ -112,9 +136,9 @@ class PosixIO:
 
     def _pread(self, fd: int, offset: int, nbytes: int) -> memoryview:
         if self.direct:
-            buf = mmap.mmap(-1, align_up(nbytes) or ALIGN)
-            got = os.preadv(fd, [buf], offset)
-            return memoryview(buf)[: min(got, nbytes)]
+            staged = self._staging()
+            got = os.preadv(fd, [memoryview(staged)[: align_up(nbytes) or ALIGN]], offset)
+            return memoryview(bytes(memoryview(staged)[: min(got, nbytes)]))
         chunks = []
         done = 0
         while done < nbytes:
@@ -162,14 +186,22 @@ class KvikioIO:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-kvikio")
         self._posix = PosixIO(threads=threads)
 
-    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int) -> None:
+    def write_file(self, path: str, pieces: Sequence[tuple[int, memoryview | bytes]], file_bytes: int,
+                   digest: Callable[[memoryview], Any] | None = None,
+                   finalize: Callable[[list[list[Any]]], Sequence[tuple[int, bytes]]] | None = None) -> None:
         import numpy as np
 
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
+            results = []
+            for offset, data in pieces:
+                view = memoryview(data).cast("B")
+                results.append([digest(view[o - offset : o - offset + n]) if digest else None
+                                for o, n in _split(offset, len(view))])
+            extra = list(finalize(results)) if finalize is not None else []
             with self._kvikio.CuFile(tmp, "w") as f:
                 futures = [f.pwrite(np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8), file_offset=o)
-                           for o, d in pieces if len(memoryview(d).cast("B"))]
+                           for o, d in [*pieces, *extra] if len(memoryview(d).cast("B"))]
                 for fut in futures:
                     fut.get()
             os.truncate(tmp, file_bytes)

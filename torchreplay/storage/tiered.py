@@ -253,9 +253,20 @@ class TieredStorage:
         return sid
 
     def _write(self, shard: _Shard, path: str, offsets, token, rollout) -> None:
-        header, writes, head = fmt.plan_shard(offsets, token, rollout, pool=self._fetchers)
-        self.io.write_file(path, [(0, head), *writes], header.file_bytes)
-        shard.header = header  # read by others only once this write's future is done
+        layout = fmt.layout_shard(offsets, token, rollout)
+        names = [b[0] for b in layout.blocks]
+        page = layout.page_size
+        holder: dict[str, fmt.ShardHeader] = {}
+
+        def header(results: list[list[list[int]]]) -> list[tuple[int, bytes]]:
+            # Each block was written in page-aligned parts whose checksums were taken alongside.
+            crcs = {name: [c for part in parts for c in part] for name, parts in zip(names, results)}
+            holder["header"], head = layout.header(crcs)
+            return [(0, head)]
+
+        self.io.write_file(path, layout.writes(), layout.file_bytes,
+                           digest=lambda part: fmt.page_crcs(part, page), finalize=header)
+        shard.header = holder["header"]  # read by others only once this write's future is done
 
     def _poll(self) -> None:
         """Settle finished spills (trainer thread)."""
