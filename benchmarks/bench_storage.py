@@ -564,7 +564,7 @@ def render_throughput(r: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        f"Spill detail: " + "; ".join(
+        "Spill detail: " + "; ".join(
             f"hot_bytes={s['hot_bytes'] // MiB} MiB: add {s['add_seconds']:.2f} s + flush {s['flush_seconds']:.2f} s"
             + (f" + fsync {s['fsync_seconds']:.2f} s" if s['fsync_seconds'] else "")
             + f", {s['spilled_shards']} shards"

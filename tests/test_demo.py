@@ -26,7 +26,7 @@ def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
     runs = res["runs"][str(res["seeds"][0])]
     assert set(runs) == {"on-policy", "replay"}
     budget = res["config"]["budget_tokens"]
-    for name, r in runs.items():
+    for r in runs.values():
         assert {"curve", "tokens_to_target", "final_acc", "entropy", "wall_s", "generated_tokens"} <= r.keys()
         assert all(0.0 <= acc <= 1.0 for _, acc in r["curve"])
         assert 0.0 <= r["final_acc"] <= 1.0

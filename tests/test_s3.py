@@ -1,6 +1,5 @@
 """Checkpoints against a real S3-compatible HTTP server on loopback (moto), with injected faults."""
 
-import threading
 import time
 
 import pytest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
@@ -469,11 +469,7 @@ class RolloutBuffer:
         try:
             batch = self._materialize(self._plan(slots, w, torch.zeros(n, dtype=torch.bool)))
         except CorruptRows as exc:
-            self.on_corrupt, mode = "raise", self.on_corrupt
-            try:
-                self._evict_corrupt(exc)
-            finally:
-                self.on_corrupt = mode
+            self._evict_corrupt(exc, always_raise=True)
         if count_use:
             self._record_use(slots, weights)
         return batch if device is None else batch.to(device)
@@ -539,15 +535,16 @@ class RolloutBuffer:
         out = fresh_batch if replayed is None else _concat(fresh_batch, replayed, self)
         return out if device is None else out.to(device)
 
-    def _evict_corrupt(self, exc: CorruptRows) -> None:
-        """Evict the live rollouts stored in the unreadable rows; raise unless on_corrupt='skip'."""
+    def _evict_corrupt(self, exc: CorruptRows, always_raise: bool = False) -> None:
+        """Evict the live rollouts stored in the unreadable rows; raise unless on_corrupt='skip'
+        (a caller that asked for specific slots always gets the error)."""
         t = self._table
         in_shard = (t.chunk == exc.shard_id) & t.live
         hit = in_shard.nonzero().flatten()
         hit = hit[torch.isin(t.row[hit], torch.tensor(exc.rows, dtype=torch.int64))]
         self._evict(hit, "corrupt")
         self.storage.counters["corrupt_rows"] += hit.numel()
-        if self.on_corrupt == "raise" or self._table.count == 0:
+        if always_raise or self.on_corrupt == "raise" or self._table.count == 0:
             raise StorageError(f"{exc}; {hit.numel()} rollout(s) evicted, the rest of the buffer is intact") from exc
 
     def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None, evict: bool = True) -> None:

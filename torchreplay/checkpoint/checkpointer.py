@@ -183,7 +183,10 @@ class Checkpointer:
 
     def _upload(self, job: _Upload) -> None:
         if job.spill is not None:
-            job.spill.result()  # the spill file must be complete; its failure is the storage's to report
+            try:
+                job.spill.result()  # the spill file must be complete
+            except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
+                job.source = job.shard.batch()
         if isinstance(job.source, str):
             with_retries(lambda: self.store.put_file(job.key, job.source), self.retry_budget_s, f"upload {job.key}")
         else:
