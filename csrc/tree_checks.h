@@ -8,6 +8,19 @@
 
 namespace torchreplay {
 
+// Leaves and sums only (what sampling reads).
+inline void check_sample_storage(const at::Tensor& leaves, const at::Tensor& sums, int64_t capacity) {
+  TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  const tree::Layout L = tree::make_layout(capacity);
+  TORCH_CHECK(leaves.dim() == 1 && leaves.numel() == L.padded_leaves && leaves.is_contiguous(),
+              "leaves must be a contiguous 1-D tensor of ", L.padded_leaves, " elements, got shape ", leaves.sizes());
+  TORCH_CHECK(leaves.scalar_type() == at::kFloat || leaves.scalar_type() == at::kDouble,
+              "leaves must be float32 or float64, got ", leaves.scalar_type());
+  TORCH_CHECK(sums.dim() == 1 && sums.numel() == L.internal_nodes && sums.is_contiguous() &&
+                  sums.scalar_type() == at::kDouble && sums.device() == leaves.device(),
+              "sums must be a contiguous float64 1-D tensor of ", L.internal_nodes, " elements on ", leaves.device());
+}
+
 inline void check_tree_storage(const at::Tensor& leaves, const at::Tensor& sums, const at::Tensor& mins,
                                int64_t capacity) {
   TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);

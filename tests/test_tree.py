@@ -226,7 +226,14 @@ def test_raw_ops_reject_bad_input_without_crashing():
         ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5]), 10, True)
     with pytest.raises(IndexError):
         ops.tree_get(t._leaves, torch.tensor([-5]), 10)
-    assert t.total().item() == 0.0
+    t.update(torch.tensor([3]), torch.tensor([1.0]))
+    with pytest.raises(RuntimeError, match="leaves"):  # a capacity that does not match the storage
+        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5], dtype=torch.float64), 1 << 20, True)
+    with pytest.raises(RuntimeError, match="sums"):
+        ops.tree_sample(t._leaves, t._sums[:1], torch.tensor([0.5], dtype=torch.float64), 10, True)
+    with pytest.raises(RuntimeError, match="leaves"):
+        ops.tree_get(t._leaves, torch.tensor([3]), 1 << 20)
+    assert t.total().item() == 1.0
 
 
 def _sample_args(dtype):

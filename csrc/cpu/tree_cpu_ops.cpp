@@ -53,7 +53,7 @@ void tree_update_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, con
 
 std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, const at::Tensor& sums,
                                                    const at::Tensor& u_in, int64_t capacity, bool stratified) {
-  TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  check_sample_storage(leaves, sums, capacity);
   check_uniforms(u_in, leaves);
   const at::Tensor u = u_in.contiguous();
   const double* uv = u.data_ptr<double>();
@@ -76,6 +76,8 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, con
 
 at::Tensor tree_get_cpu(const at::Tensor& leaves, const at::Tensor& indices_in, int64_t capacity) {
   check_indices(indices_in, leaves);
+  TORCH_CHECK(capacity >= 1 && leaves.dim() == 1 && leaves.numel() >= capacity,
+              "leaves must be 1-D with at least capacity (", capacity, ") elements, got shape ", leaves.sizes());
   const at::Tensor indices = indices_in.contiguous();
   check_index_values(indices, capacity);
   return leaves.index_select(0, indices);

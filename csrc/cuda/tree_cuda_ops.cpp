@@ -37,7 +37,7 @@ void tree_update_cuda(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, co
 
 std::tuple<at::Tensor, at::Tensor> tree_sample_cuda(const at::Tensor& leaves, const at::Tensor& sums,
                                                     const at::Tensor& u_in, int64_t capacity, bool stratified) {
-  TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  check_sample_storage(leaves, sums, capacity);
   check_uniforms(u_in, leaves);
   const c10::cuda::CUDAGuard guard(leaves.device());
   const at::Tensor u = u_in.contiguous();
@@ -56,6 +56,8 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_cuda(const at::Tensor& leaves, co
 
 at::Tensor tree_get_cuda(const at::Tensor& leaves, const at::Tensor& indices, int64_t capacity) {
   check_indices(indices, leaves);
+  TORCH_CHECK(capacity >= 1 && leaves.dim() == 1 && leaves.numel() >= capacity,
+              "leaves must be 1-D with at least capacity (", capacity, ") elements, got shape ", leaves.sizes());
   const c10::cuda::CUDAGuard guard(leaves.device());
   // Out-of-range reads would be a device-side assert; masked, they read as 0 instead.
   const at::Tensor valid = indices.ge(0).logical_and(indices.lt(capacity));
