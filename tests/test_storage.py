@@ -243,6 +243,11 @@ def test_permission_denied_is_a_storage_error(tmp_path):
     assert "StorageError" in out.stdout and "permission denied" in out.stdout, out.stdout + out.stderr
 
 
+def test_unimplemented_vram_tier_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ValueError, match="not implemented"):
+        TieredStorage(hot_bytes=0, spill_dir=tmp_path, device_bytes=1 << 20)
+
+
 def test_io_auto_without_cuda_driver_picks_posix(tmp_path, caplog):
     from torchreplay.storage import cuda_driver_present
 

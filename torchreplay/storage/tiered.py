@@ -113,7 +113,7 @@ class TieredStorage:
     Args:
         hot_bytes: budget for hot token data in host RAM (bytes); None = unbounded (hot-only).
         spill_dir: directory for shard files; None = no cold tier (everything stays hot).
-        device_bytes: VRAM budget for a device tier; needs CUDA (0 = none).
+        device_bytes: VRAM budget for a device tier. Only 0 is supported so far (see the error).
         io: "auto", "kvikio" or "posix".
         policy: "lru" or "newest" (or a HotPolicy), what stays hot.
         compact_below: a shard whose live fraction falls below this is rewritten by the buffer.
@@ -140,8 +140,11 @@ class TieredStorage:
             raise ValueError("hot_bytes needs spill_dir: without a cold tier nothing can leave RAM")
         if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0:
             raise ValueError(f"device_bytes must be an int >= 0, got {device_bytes!r}")
-        if device_bytes and not torch.cuda.is_available():
-            raise ValueError("device_bytes > 0 needs a CUDA device, and none is available")
+        if device_bytes:
+            # Not built yet: a VRAM tier needs a GPU machine to build and test against, and
+            # accepting the setting while ignoring it would misstate where rollouts live.
+            raise ValueError("device_bytes > 0 (a VRAM hot tier) is not implemented yet; use device_bytes=0 and "
+                             "sample(..., device='cuda'), which copies through pinned memory")
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
         if isinstance(policy, str):
