@@ -437,7 +437,6 @@ class TieredStorage:
         for name, block, runs, first_range in plans:
             rb = block.row_bytes
             bad_rows: list[int] = []
-            pieces = []
             run_data = {}
             for i, (a, b) in enumerate(runs):
                 data = datas[first_range + i]
@@ -454,13 +453,17 @@ class TieredStorage:
                 # One bad page rarely travels alone: verify the whole shard once, so every affected
                 # rollout goes now rather than one failed batch at a time.
                 raise CorruptRows(shard.id, self._scan_bad_rows(shard), f"checksum mismatch in field {name!r}")
+            # Rows go straight from the verified pages into the field's tensor: one copy.
+            out = torch.empty((int(out_offsets[-1]), *block.shape), dtype=block.dtype)
+            dst = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
             run_starts = [a * page for a, _ in runs]
+            cursor = 0
             for s, e in zip(starts.tolist(), ends.tolist()):
                 byte_begin, byte_end = s * rb, e * rb
                 a = runs[bisect.bisect_right(run_starts, byte_begin) - 1][0]
-                data = run_data[a]
-                pieces.append(data[byte_begin - a * page : byte_end - a * page])
-            token[name] = fmt.decode(b"".join(pieces), block.dtype, block.shape)
+                dst[cursor : cursor + byte_end - byte_begin] = run_data[a][byte_begin - a * page : byte_end - a * page]
+                cursor += byte_end - byte_begin
+            token[name] = out
         batch = PackedBatch(n=unique.numel(), offsets=out_offsets, token=token,
                             rollout={k: v[unique] for k, v in shard.rollout.items()})
         return batch, index
