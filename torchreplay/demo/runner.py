@@ -184,8 +184,9 @@ def train_arm(
         )
 
     def storage() -> tr.TieredStorage | None:
-        # Hot budget of 1 MiB: the demo's buffer is small, so this makes it exercise the cold tier.
-        return tr.TieredStorage(hot_bytes=1 << 20, spill_dir=spill_dir, io="posix") if spill_dir else None
+        # The demo's live buffer is only ~50 KB (8 policy versions of 32 short rollouts): a 16 KiB hot
+        # budget keeps just the newest shards hot, so sampling really pages older ones in from disk.
+        return tr.TieredStorage(hot_bytes=16 << 10, spill_dir=spill_dir, io="posix") if spill_dir else None
 
     trainer_ckpt = TrainerCheckpoint(checkpoint_uri, endpoint_url) if checkpoint_uri else None
     saved = trainer_ckpt.load() if (trainer_ckpt is not None and resume) else None
@@ -315,7 +316,8 @@ def eval_set(cfg: DemoConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 _BUFFER_HIGHLIGHTS = (
     "reuse_mean", "age_mean", "age_max", "ess_fraction", "evicted_staleness", "evicted_reuse", "evicted_capacity",
-    "sampled_fresh", "sampled_replay", "stale_handle_updates", "size",
+    "sampled_fresh", "sampled_replay", "stale_handle_updates", "size", "storage_hot_hits", "storage_cold_reads",
+    "storage_spilled_shards",
 )
 
 
@@ -379,7 +381,7 @@ def _fmt(stat: dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = 
 def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
     """The printed results table (one row per arm; ± is the std over seeds)."""
     rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", "final acc", "entropy", "wall", "uses/rollout",
-             "age mean/max", "evicted stale/reuse"]]
+             "age mean/max", "evicted stale/reuse", "tier hits hot/cold"]]
     for name, e in summary.items():
         b = e.get("buffer", {})
         saving = _fmt(e["token_saving"], 0.01, 0, "%") if "token_saving" in e else "-"
@@ -393,6 +395,7 @@ def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
             _fmt(e["uses_per_rollout"], digits=2),
             f"{b['age_mean']:.1f}/{b['age_max']:.0f}" if "age_mean" in b else "-",
             f"{b['evicted_staleness']:.0f}/{b['evicted_reuse']:.0f}" if "evicted_staleness" in b else "-",
+            f"{b['storage_hot_hits']:.0f}/{b['storage_cold_reads']:.0f}" if "storage_hot_hits" in b else "-",
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
