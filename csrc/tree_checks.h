@@ -8,35 +8,32 @@
 
 namespace torchreplay {
 
-// Leaves and sums only (what sampling reads).
-inline void check_sample_storage(const at::Tensor& leaves, const at::Tensor& sums, int64_t capacity) {
-  TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
-  const tree::Layout L = tree::make_layout(capacity);
-  TORCH_CHECK(leaves.dim() == 1 && leaves.numel() == L.padded_leaves && leaves.is_contiguous(),
-              "leaves must be a contiguous 1-D tensor of ", L.padded_leaves, " elements, got shape ", leaves.sizes());
-  TORCH_CHECK(leaves.scalar_type() == at::kFloat || leaves.scalar_type() == at::kDouble,
-              "leaves must be float32 or float64, got ", leaves.scalar_type());
-  TORCH_CHECK(sums.dim() == 1 && sums.numel() == L.internal_nodes && sums.is_contiguous() &&
-                  sums.scalar_type() == at::kDouble && sums.device() == leaves.device(),
-              "sums must be a contiguous float64 1-D tensor of ", L.internal_nodes, " elements on ", leaves.device());
+inline void check_levels(const at::Tensor& levels, const char* name, const tree::Layout& L,
+                         const at::Tensor& leaves) {
+  TORCH_CHECK(levels.dim() == 1 && levels.numel() == L.internal_nodes && levels.is_contiguous() &&
+                  levels.scalar_type() == at::kDouble,
+              name, " must be a contiguous float64 1-D tensor of ", L.internal_nodes, " elements, got ",
+              levels.scalar_type(), " of shape ", levels.sizes());
+  TORCH_CHECK(levels.device() == leaves.device(), name, " must be on the leaves' device ", leaves.device(), ", got ",
+              levels.device());
 }
 
-inline void check_tree_storage(const at::Tensor& leaves, const at::Tensor& sums, const at::Tensor& mins,
-                               int64_t capacity) {
+// Leaves and sums: what sampling reads.
+inline tree::Layout check_sample_storage(const at::Tensor& leaves, const at::Tensor& sums, int64_t capacity) {
   TORCH_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
   const tree::Layout L = tree::make_layout(capacity);
   TORCH_CHECK(leaves.dim() == 1 && leaves.numel() == L.padded_leaves && leaves.is_contiguous(),
               "leaves must be a contiguous 1-D tensor of ", L.padded_leaves, " elements, got shape ", leaves.sizes());
   TORCH_CHECK(leaves.scalar_type() == at::kFloat || leaves.scalar_type() == at::kDouble,
               "leaves must be float32 or float64, got ", leaves.scalar_type());
-  for (const auto* t : {&sums, &mins}) {
-    TORCH_CHECK(t->dim() == 1 && t->numel() == L.internal_nodes && t->is_contiguous() &&
-                    t->scalar_type() == at::kDouble,
-                "sums/mins must be contiguous float64 1-D tensors of ", L.internal_nodes, " elements, got ",
-                t->scalar_type(), " of shape ", t->sizes());
-    TORCH_CHECK(t->device() == leaves.device(), "sums/mins must be on the leaves' device ", leaves.device(),
-                ", got ", t->device());
-  }
+  check_levels(sums, "sums", L, leaves);
+  return L;
+}
+
+// Leaves, sums and mins: what updates write.
+inline void check_tree_storage(const at::Tensor& leaves, const at::Tensor& sums, const at::Tensor& mins,
+                               int64_t capacity) {
+  check_levels(mins, "mins", check_sample_storage(leaves, sums, capacity), leaves);
 }
 
 inline void check_indices(const at::Tensor& indices, const at::Tensor& leaves) {
