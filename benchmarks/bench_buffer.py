@@ -58,6 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import cpu_model, package_versions
+
+
+def peer_versions() -> dict[str, str]:
+    return package_versions(("torchreplay", "torchrl", "tensordict"))
+
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_buffer.md"
 CONTENDERS = ("torchreplay", "torchrl")
@@ -486,34 +492,6 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def peer_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str] = {}
-    for dist in ("torchrl", "tensordict"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    try:
-        import torchreplay
-
-        out["torchreplay"] = f"{getattr(torchreplay, '__version__', '?')} ({Path(torchreplay.__file__).parent})"
-    except Exception:  # noqa: BLE001
-        pass
-    return out
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # --------------------------------------------------------------------------- main

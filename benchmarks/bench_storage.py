@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import cpu_model
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_storage.md"
 VOCAB = 151_000
@@ -616,16 +617,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [f"- {k}: {v}" for k, v in report["meta"].items()]
     lines.append("")
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # --------------------------------------------------------------------------- main

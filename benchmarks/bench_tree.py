@@ -37,6 +37,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from _machine import cpu_model, package_versions
+
+
+def peer_versions() -> dict[str, str]:
+    return package_versions(("torchreplay", "torchrl", "tensordict", "cpprb"))
+
 
 OPS: tuple[str, ...] = ("update", "sample", "sample_then_update")
 FULL_SIZES: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22)
@@ -492,34 +498,6 @@ def render_markdown(report: Report, names: list[str]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def peer_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str] = {}
-    for dist in ("torchreplay", "torchrl", "tensordict", "cpprb"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    if "torchreplay" in sys.modules:
-        # Also covers an uninstalled checkout on PYTHONPATH, which has no dist metadata.
-        mod = sys.modules["torchreplay"]
-        out["torchreplay"] = (
-            f"{getattr(mod, '__version__', out.get('torchreplay', '?'))} ({Path(mod.__file__ or '').parent})"
-        )
-    return out
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------------------- main
