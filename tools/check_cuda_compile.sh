@@ -25,11 +25,13 @@ done < <(find csrc -name '*.cu' -print0)
 headers=build/cuda-torch-headers
 if [ ! -d "$headers/torch/include" ]; then
   wheel_dir=$(mktemp -d)
-  if python3 -m pip download -q --no-deps torch==2.14.1 -d "$wheel_dir" >/dev/null 2>&1 \
+  mkdir -p "$headers"
+  if python3 -m pip download -q --no-deps torch==2.14.1 -d "$wheel_dir" >"$wheel_dir/pip.log" 2>&1 \
       && unzip -q -o "$wheel_dir"/torch-2.14.1-*.whl 'torch/include/*' -d "$headers"; then
     echo "cuda-check: unpacked torch 2.14.1 CUDA headers into $headers"
   else
-    echo "cuda-check: torch 2.14.1 CUDA wheel not available here, skipping the glue check"
+    echo "cuda-check: torch 2.14.1 CUDA wheel not available here, skipping the glue check:"
+    tail -n 3 "$wheel_dir/pip.log" 2>/dev/null
     rm -rf "$wheel_dir" "$headers"
     exit $status
   fi
