@@ -106,6 +106,16 @@ def test_background_failure_surfaces_as_checkpoint_error(tmp_path):
             os.chmod(tmp_path / "ckpt" / "shards", 0o755)
 
 
+def published_checkpoint(tmp_path):
+    """A small buffer checkpointed once: (uri, buffer, store, its manifest)."""
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    buf.add(make_batch(4, seed=1))
+    buf.checkpoint()
+    store = open_store(uri)
+    return uri, buf, store, read_manifest(store)
+
+
 def write_manifest(store, manifest):
     store.put("manifests/000000000099.json", json.dumps(manifest).encode())
     store.put("LATEST", json.dumps({"manifest": "manifests/000000000099.json"}).encode())
@@ -127,12 +137,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("label, corrupt, match", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_manifest_is_rejected_before_anything_is_opened(tmp_path, label, corrupt, match):
-    uri = f"file://{tmp_path}/ckpt"
-    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
-    buf.add(make_batch(4, seed=1))
-    buf.checkpoint()
-    store = open_store(uri)
-    manifest = read_manifest(store)
+    uri, buf, store, manifest = published_checkpoint(tmp_path)
     corrupt(manifest)
     write_manifest(store, manifest)
     with pytest.raises(tr.CheckpointError, match=match):
@@ -141,12 +146,7 @@ def test_hostile_manifest_is_rejected_before_anything_is_opened(tmp_path, label,
 
 
 def test_hostile_state_and_shard_are_rejected(tmp_path):
-    uri = f"file://{tmp_path}/ckpt"
-    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
-    buf.add(make_batch(4, seed=1))
-    buf.checkpoint()
-    store = open_store(uri)
-    manifest = read_manifest(store)
+    uri, buf, store, manifest = published_checkpoint(tmp_path)
     blob = bytearray(store.get(manifest["state"]["blob"]))
     blob[10] ^= 0xFF
     store.put(manifest["state"]["blob"], bytes(blob))
