@@ -12,9 +12,12 @@ A manifest is written only after every object it names is durable, manifests are
 LATEST is replaced last; a reader follows LATEST and so never sees a partial checkpoint. Shards no
 retained manifest names are garbage-collected after each publish.
 
-Threads: the trainer thread only snapshots metadata (clones of the slot table) and enqueues work.
-One worker thread runs the queue in order (so a manifest always follows the uploads of the shards
-it names) and records its first failure, which the trainer sees as CheckpointError on its next call.
+Threads and processes: the trainer thread only snapshots metadata (clones of the slot table) and
+enqueues work. One worker thread runs the queue in order (so a manifest always follows the uploads
+of the shards it names) and records its first failure, which the trainer sees as CheckpointError on
+its next call. The object-store requests themselves run in a helper process (uploader.py): boto3
+is Python through and through, and on the worker thread it held the GIL long enough to multiply the
+trainer's p99 latency. The worker thread only packs state and waits on a pipe.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torchreplay.checkpoint import tensorfile
-from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
+from torchreplay.checkpoint.store import ObjectStore, open_store
+from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
 
@@ -76,7 +80,8 @@ class Checkpointer:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
         self.uri = uri
-        self.store: ObjectStore = open_store(uri, endpoint_url)
+        self.store: ObjectStore = open_store(uri, endpoint_url)  # reads from this process
+        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s)  # writes, from the helper process
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
         self.retry_budget_s = retry_budget_s
@@ -162,6 +167,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------- worker thread
     def _run(self) -> None:
+        try:
+            self._remote.start()  # from this thread: the helper lives exactly as long as it does
+        except OSError as exc:
+            self._error = CheckpointError(f"cannot start the checkpoint upload helper: {exc}")
+        try:
+            self._drain()
+        finally:
+            self._remote.close()
+
+    def _drain(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
@@ -188,14 +203,14 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
                 job.source = job.shard.batch()
         if isinstance(job.source, str):
-            with_retries(lambda: self.store.put_file(job.key, job.source), self.retry_budget_s, f"upload {job.key}")
+            self._remote.put_file(job.key, job.source)
         else:
             header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
             data = bytearray(header.file_bytes)
             data[: len(head)] = head
             for offset, piece in writes:
                 data[offset : offset + len(piece)] = piece
-            with_retries(lambda: self.store.put(job.key, bytes(data)), self.retry_budget_s, f"upload {job.key}")
+            self._remote.put(job.key, data)
         self._durable.add(job.key)
 
     def _publish(self, job: _Publish) -> None:
@@ -205,8 +220,8 @@ class Checkpointer:
         text, blob = tensorfile.pack(job.state)
         name = f"{job.sequence:012d}"
         state_key, blob_key = f"state/{name}.json", f"state/{name}.bin"
-        with_retries(lambda: self.store.put(blob_key, blob), self.retry_budget_s, f"upload {blob_key}")
-        with_retries(lambda: self.store.put(state_key, text), self.retry_budget_s, f"upload {state_key}")
+        self._remote.put(blob_key, blob)
+        self._remote.put(state_key, text)
         manifest = {
             "format_version": MANIFEST_VERSION,
             "sequence": job.sequence,
@@ -220,28 +235,28 @@ class Checkpointer:
         }
         manifest_key = f"manifests/{name}.json"
         payload = json.dumps(manifest, separators=(",", ":")).encode()
-        with_retries(lambda: self.store.put(manifest_key, payload), self.retry_budget_s, f"upload {manifest_key}")
+        self._remote.put(manifest_key, payload)
         pointer = json.dumps({"manifest": manifest_key}).encode()
-        with_retries(lambda: self.store.put("LATEST", pointer), self.retry_budget_s, "upload LATEST")
+        self._remote.put("LATEST", pointer)
         self.published.append(manifest_key)
         self._collect_garbage()
 
     def _collect_garbage(self) -> None:
-        manifests = self.store.list("manifests")
+        manifests = self._remote.list("manifests")
         keep, drop = manifests[-self.keep_last :], manifests[: -self.keep_last]
         needed: set[str] = set()
         kept_states: set[str] = set()
         for key in keep:
-            m = json.loads(self.store.get(key))
+            m = json.loads(self._remote.get(key))
             needed.update(s["key"] for s in m["shards"])
             kept_states.update((m["state"]["json"], m["state"]["blob"]))
         # Shards sealed after the newest manifest are not named yet but will be: keep this session's
         # durable shards that are still live.
         with self._keys_lock:
             needed.update(self._keys.values())
-        stale_shards = [k for k in self.store.list("shards") if k not in needed]
-        stale_states = [k for k in self.store.list("state") if k not in kept_states]
-        self.store.delete(drop + stale_states + stale_shards)
+        stale_shards = [k for k in self._remote.list("shards") if k not in needed]
+        stale_states = [k for k in self._remote.list("state") if k not in kept_states]
+        self._remote.delete(drop + stale_states + stale_shards)
         self._durable.difference_update(stale_shards)
 
 
