@@ -28,6 +28,7 @@ class Faults:
         self.delay_s = 0.0
         self.requests = 0
         self.injected = 0
+        self.get_bytes = 0  # response bytes of GETs relayed, to check what a lazy restore downloads
 
     def take_failure(self) -> int | None:
         with self.lock:
@@ -83,11 +84,16 @@ class S3Server:
                     except OSError:
                         pass
                     return
+                if self.command == "GET":
+                    with upstream.faults.lock:
+                        upstream.faults.get_bytes += len(data)
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD response has no body but reports the object's length, as S3 does.
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length if length is not None else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -194,3 +194,21 @@ def test_inspect_cli(tmp_path, capsys):
     assert main(["inspect", uri]) == 0
     out = capsys.readouterr().out
     assert "rollouts: 6" in out and "manifests/" in out and "advantage" in out
+
+
+def test_lazy_restore_then_checkpoint_elsewhere_carries_every_rollout(tmp_path):
+    """A lazily restored shard that has never been sampled must still reach a new prefix whole."""
+    first, second = f"file://{tmp_path}/a", f"file://{tmp_path}/b"
+    buf = tr.RolloutBuffer(40, sampler=tr.PrioritizedSampler(), seed=2, checkpoint=Checkpointer(first, interval_s=3600))
+    fill(buf)
+    buf.checkpoint()
+    lazy = tr.RolloutBuffer.from_checkpoint(first, lazy=True, progress=False, checkpoint=Checkpointer(second, interval_s=3600),
+                                            storage=TieredStorage(hot_bytes=0, spill_dir=tmp_path / "lazy", io="posix"))
+    lazy.checkpoint()
+    assert lazy.metrics()["storage_fetched_shards"] == len(read_manifest(open_store(first))["shards"])
+    again = tr.RolloutBuffer.from_checkpoint(second, progress=False)
+    live = buf._table.live.nonzero().flatten()
+    a, b = buf.gather(live, count_use=False), again.gather(live, count_use=False)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.reward, b.reward)
+    for x in (buf, lazy, again):
+        x.close()

@@ -118,3 +118,39 @@ def test_persistent_outage_surfaces_after_the_retry_budget(s3_server, s3_bucket,
             buf.sample(4)
     finally:
         s3_server.start_moto()
+
+
+def test_lazy_restore_downloads_a_shard_only_when_a_sample_needs_it(s3_server, s3_bucket, tmp_path):
+    uri, buf = s3_buffer(s3_server, s3_bucket, tmp_path)
+    for step in range(6):  # six shards of ~0.5 MB of tokens each
+        buf.add(make_batch(8, version=step, seed=step, min_len=8_000, max_len=9_000))
+    buf.checkpoint()
+    store = open_store(uri, s3_server.endpoint_url)
+    shard_bytes = sum(store.size(s["key"]) for s in read_manifest(store)["shards"])
+    before = s3_server.faults.get_bytes
+    spill = tmp_path / "lazy"
+    resumed = tr.RolloutBuffer.from_checkpoint(uri, endpoint_url=s3_server.endpoint_url, progress=False, lazy=True,
+                                               storage=TieredStorage(hot_bytes=0, spill_dir=spill, io="posix"))
+    restore_bytes = s3_server.faults.get_bytes - before
+    # Headers, offsets and per-rollout fields only: a few pages per shard, not the token blocks.
+    assert restore_bytes < 0.1 * shard_bytes, (restore_bytes, shard_bytes)
+    assert not list(spill.glob("*.trs")) and resumed.metrics()["storage_fetched_shards"] == 0
+    for name in ("live", "generation", "reuse", "advantage", "policy_version"):
+        assert torch.equal(getattr(resumed._table, name), getattr(buf._table, name)), name
+
+    # Sample the rollouts of two shards only: exactly those two files come down, bit-identical.
+    wanted = ((buf._table.chunk == 1) | (buf._table.chunk == 4)).nonzero().flatten()
+    original, restored = buf.gather(wanted, count_use=False), resumed.gather(wanted, count_use=False)
+    assert torch.equal(original.tokens, restored.tokens) and torch.equal(original.logprobs, restored.logprobs)
+    assert resumed.metrics()["storage_fetched_shards"] == 2 and len(list(spill.glob("*.trs"))) == 2
+    assert s3_server.faults.get_bytes - before < restore_bytes + 0.5 * shard_bytes
+
+    # A shard that vanished from the store after the restore: a clear StorageError on first use.
+    others = ((resumed._table.chunk != resumed._table.chunk[wanted[0]])
+              & (resumed._table.chunk != resumed._table.chunk[wanted[-1]]) & resumed._table.live).nonzero().flatten()
+    store.delete([s["key"] for s in read_manifest(store)["shards"]])
+    with pytest.raises(tr.StorageError, match="cannot fetch restored shard"):
+        resumed.gather(others[:1], count_use=False)
+    resumed.gather(wanted, count_use=False)  # what is here keeps serving
+    resumed.close()
+    buf.close()

@@ -878,7 +878,9 @@ class RolloutBuffer:
 
         Slots, generations, advantages (priorities are recomputed from them), policy versions,
         reuse counts, sampler and RNG state come back exactly. Shards are fetched eagerly (with a
-        progress bar) or, with `lazy=True` and a cold tier, in the background as they are needed.
+        progress bar) or, with `lazy=True` and a cold tier, on demand: only each shard's header
+        and per-rollout fields are read at restore, its file is downloaded the first time a
+        sample (or prefetch) needs its tokens.
         `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
         Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
         `manifest` names a specific manifest key (default: the newest, via LATEST).

@@ -203,6 +203,7 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
                 job.source = job.shard.batch()
         if isinstance(job.source, str):
+            self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving to a new prefix
             self._remote.put_file(job.key, job.source)
         else:
             header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)

@@ -94,6 +94,26 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
     return paths
 
 
+def _fetch_metas(store: ObjectStore, manifest: dict[str, Any]) -> dict[int, fmt.PackedShard]:
+    """Header and small blocks of every shard the manifest names, by ranged reads (no token data)."""
+
+    def one(entry: dict[str, Any]) -> tuple[int, fmt.PackedShard]:
+        key = entry["key"]
+        size = with_retries(lambda: store.size(key), 60.0, f"size of {key}")
+
+        def read(offset: int, length: int) -> bytes:
+            return with_retries(lambda: store.get_range(key, offset, length), 60.0, f"read {key}")
+
+        try:
+            # A small first read: the header room is a few KiB, and every byte counts over a network.
+            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024)
+        except StorageError as exc:
+            raise CheckpointError(f"checkpoint shard {key}: {exc}") from exc
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(one, manifest["shards"]))
+
+
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
             checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
             **kwargs: Any) -> "RolloutBuffer":
@@ -107,10 +127,15 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
                  **buffer_kwargs)
     by_id = {s["id"]: s for s in manifest["shards"]}
     # Row counts come from the shard headers themselves, so the state is checked against the data.
-    # Lazy or eager, shard files are downloaded now; lazy ones stay in the cold tier (only headers,
-    # offsets and per-rollout fields are read), eager ones are read whole into the hot tier.
-    paths = _fetch_shards(store, manifest, progress and not lazy, desc=f"restoring {uri}")
-    rows = {sid: fmt.read_shard_meta(p).header.n for sid, p in paths.items()}
+    # Eager: every shard file is downloaded now and read whole into the hot tier. Lazy: only each
+    # shard's header and small blocks are read now (ranged reads); its file is downloaded into the
+    # cold tier the first time a sample needs its tokens.
+    if lazy:
+        metas = _fetch_metas(store, manifest)
+        rows = {sid: meta.header.n for sid, meta in metas.items()}
+    else:
+        paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
+        rows = {sid: fmt.read_shard_meta(p).header.n for sid, p in paths.items()}
     table = state.get("table", {})
     if isinstance(table, dict) and isinstance(table.get("chunk"), torch.Tensor) and isinstance(table.get("live"), torch.Tensor):
         live_chunks = table["chunk"][table["live"]]
@@ -120,7 +145,15 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     new_ids: dict[int, int] = {}
 
     def store_chunk(cid: int) -> int:
-        new_ids[cid] = buffer.storage.adopt(paths[cid])
+        if lazy:
+            key = by_id[cid]["key"]
+
+            def fetch(path: str, key: str = key) -> None:
+                with_retries(lambda: store.get_to_file(key, path), 60.0, f"download {key}")
+
+            new_ids[cid] = buffer.storage.adopt_remote(metas[cid], fetch)
+        else:
+            new_ids[cid] = buffer.storage.adopt(paths[cid])
         return new_ids[cid]
 
     try:

@@ -24,6 +24,16 @@ T = TypeVar("T")
 KEY_PATTERN = re.compile(r"^(shards|manifests|state)/[A-Za-z0-9._-]{1,200}$|^LATEST$")
 
 
+class MissingObject(CheckpointError):
+    """The object does not exist. Not retried: S3 and local files are strongly consistent, so a
+    missing object stays missing (a deleted shard, a wrong prefix)."""
+
+
+def _file_error(what: str, path: str, exc: OSError) -> CheckpointError:
+    cls = MissingObject if isinstance(exc, FileNotFoundError) else CheckpointError
+    return cls(f"cannot {what} {path}: {exc}")
+
+
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not KEY_PATTERN.match(key) or ".." in key:
         raise CheckpointError(f"object key {key!r} is not a valid checkpoint key (confined to the run prefix)")
@@ -40,6 +50,10 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> bytes: ...
 
     def get_to_file(self, key: str, path: str) -> None: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def size(self, key: str) -> int: ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -106,7 +120,7 @@ class FileStore:
             with open(self._path(key), "rb") as f:
                 return f.read()
         except OSError as exc:
-            raise CheckpointError(f"cannot read {self._path(key)}: {exc}") from exc
+            raise _file_error("read", self._path(key), exc) from exc
 
     def get_to_file(self, key: str, path: str) -> None:
         src = self._path(key)
@@ -118,7 +132,21 @@ class FileStore:
                     while chunk := s.read(8 << 20):
                         d.write(chunk)
         except OSError as exc:
-            raise CheckpointError(f"cannot read {src}: {exc}") from exc
+            raise _file_error("read", src, exc) from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except OSError as exc:
+            raise _file_error("read", self._path(key), exc) from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return os.path.getsize(self._path(key))
+        except OSError as exc:
+            raise _file_error("stat", self._path(key), exc) from exc
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -175,7 +203,9 @@ class S3Store:
         try:
             return fn()
         except (BotoCoreError, ClientError, Boto3Error) as exc:
-            raise CheckpointError(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
+            code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
+            cls = MissingObject if code in ("404", "NoSuchKey", "NotFound") else CheckpointError
+            raise cls(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
 
     def put(self, key: str, data: bytes) -> None:
         self._wrap("put", key, lambda: self.client.put_object(
@@ -194,6 +224,17 @@ class S3Store:
     def get_to_file(self, key: str, path: str) -> None:
         self._wrap("download", key, lambda: self.client.download_file(
             self.bucket, self._key(key), path, Config=self.transfer))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        # No ChecksumMode: S3 has no checksum for a byte range; the shard's page CRCs cover it.
+        return self._wrap("get", key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}")["Body"].read())
+
+    def size(self, key: str) -> int:
+        return int(self._wrap("head", key, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=self._key(key)))["ContentLength"])
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -248,6 +289,8 @@ def with_retries(fn: Callable[[], T], budget_s: float, what: str, base_s: float 
     while True:
         try:
             return fn()
+        except MissingObject:
+            raise
         except CheckpointError as exc:
             attempt += 1
             delay = rng.uniform(0, min(cap_s, base_s * 2**attempt))

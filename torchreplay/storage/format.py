@@ -28,7 +28,7 @@ import struct
 import zlib
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -299,19 +299,48 @@ def read_shard_meta(path: str) -> PackedShard:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(min(size, 1 << 20))
-            span = header_span(head)
-            if span > len(head):
-                f.seek(0)
-                head = f.read(span)
-            header = parse_header(head, size)
-            small = [b for b in header.blocks.values() if b.kind != "token"]
-            parts = {}
-            for b in small:
-                f.seek(b.offset)
-                parts[b.name] = read_block(f.read(b.nbytes), b, header.page_size, base=b.offset)
+            def read(offset: int, length: int) -> bytes:
+                f.seek(offset)
+                return f.read(length)
+
+            return read_meta(read, size)
     except OSError as exc:
         raise StorageError(f"cannot read shard {path}: {exc}") from exc
+
+
+def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: int = 1 << 20) -> PackedShard:
+    """`read_shard_meta` over any random-access source (`read(offset, length)`: a file, or ranged
+    GETs of an object that has not been downloaded). Reads only the header and the small blocks,
+    coalescing blocks that lie close together into one read (the per-rollout blocks sit together
+    at the end of the file), so a remote source answers in a handful of requests."""
+    head = read(0, min(file_bytes, first_read))
+    span = header_span(head)
+    if span > len(head):
+        head = read(0, span)
+    header = parse_header(head, file_bytes)
+    small = sorted((b for b in header.blocks.values() if b.kind != "token"), key=lambda b: b.offset)
+    runs: list[list] = []  # [begin, end, blocks]
+    for b in small:
+        if b.offset + b.nbytes <= len(head):
+            continue
+        if runs and b.offset - runs[-1][1] <= 64 * 1024:
+            runs[-1][1] = max(runs[-1][1], b.offset + b.nbytes)
+            runs[-1][2].append(b)
+        else:
+            runs.append([b.offset, b.offset + b.nbytes, [b]])
+    datas: dict[str, bytes | memoryview] = {}
+    for b in small:
+        if b.offset + b.nbytes <= len(head):
+            datas[b.name] = memoryview(head)[b.offset : b.offset + b.nbytes]
+    for begin, end, blocks in runs:
+        data = memoryview(read(begin, end - begin))
+        for b in blocks:
+            datas[b.name] = data[b.offset - begin : b.offset - begin + b.nbytes]
+    parts = {}
+    for b in small:
+        if len(datas[b.name]) != b.nbytes:
+            raise StorageError(f"shard block {b.name!r} is truncated ({len(datas[b.name])} of {b.nbytes} bytes)")
+        parts[b.name] = read_block(datas[b.name], b, header.page_size, base=b.offset)
     offsets = parts.pop("offsets").reshape(-1)
     validate_offsets(offsets, header)
     return PackedShard(header, offsets, {}, parts)

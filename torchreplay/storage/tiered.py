@@ -19,7 +19,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -101,6 +101,9 @@ class _Shard:
     pins: int = 0
     dead: bool = False
     token_fields: tuple[str, ...] = field(default_factory=tuple)
+    # Set for a shard restored lazily: downloads its file to `path` on first use.
+    remote: Callable[[str], None] | None = None
+    fetch_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def batch(self) -> PackedBatch:
         assert self.token is not None
@@ -179,7 +182,7 @@ class TieredStorage:
         self.optional_fields: set[str] = set()
         self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "spilled_shards": 0,
                          "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
-                         "compactions": 0}
+                         "compactions": 0, "fetched_shards": 0}
 
     # ------------------------------------------------------------------------------- lifecycle
     @property
@@ -254,6 +257,50 @@ class TieredStorage:
         self.policy.added(sid)
         self.optional_fields.update(token_fields, meta.rollout)
         return sid
+
+    def adopt_remote(self, meta: fmt.PackedShard, fetch: Callable[[str], None]) -> int:
+        """Register a shard whose file is not here yet (a lazy restore): `meta` holds its header
+        and small blocks, `fetch(path)` downloads the whole file. The download happens the first
+        time a reader needs the shard's token bytes (`ensure_local`), so resuming a large buffer
+        costs its metadata, not its data."""
+        self.check()
+        if self.io is None:
+            raise ValueError("a lazily restored shard needs a cold tier: TieredStorage(spill_dir=...)")
+        sid = next(self._ids)
+        token_fields = tuple(n for n, b in meta.header.blocks.items() if b.kind == "token")
+        shard = _Shard(id=sid, n=meta.header.n, offsets=meta.offsets, rollout=meta.rollout, token=None,
+                       token_bytes=sum(meta.header.blocks[n].nbytes for n in token_fields), live_rows=meta.header.n,
+                       path=os.path.join(self.spill_dir, f"shard-{sid:010d}.trs"), header=meta.header,
+                       token_fields=token_fields, remote=fetch)
+        self._shards[sid] = shard
+        self.policy.added(sid)
+        self.optional_fields.update(token_fields, meta.rollout)
+        return sid
+
+    def ensure_local(self, shard: _Shard) -> None:
+        """Download a lazily restored shard's file if it is not here yet (any thread)."""
+        if shard.remote is None:
+            return
+        with shard.fetch_lock:
+            if shard.remote is None:
+                return
+            partial = f"{shard.path}.partial"
+            try:
+                shard.remote(partial)
+                size = os.path.getsize(partial)
+                if size != shard.header.file_bytes:
+                    raise StorageError(f"downloaded shard has {size} bytes, its header says {shard.header.file_bytes}")
+                os.replace(partial, shard.path)
+            except Exception as exc:
+                try:
+                    os.unlink(partial)
+                except OSError:
+                    pass
+                if isinstance(exc, StorageError):
+                    raise
+                raise StorageError(f"cannot fetch restored shard {shard.id} into {shard.path}: {exc}") from exc
+            shard.remote = None
+            self.counters["fetched_shards"] += 1
 
     def _write(self, shard: _Shard, path: str, offsets, token, rollout) -> None:
         layout = fmt.layout_shard(offsets, token, rollout)
@@ -398,6 +445,7 @@ class TieredStorage:
                 for i in range(len(requests))]
 
     def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
+        self.ensure_local(shard)
         unique, index = torch.unique(rows, return_inverse=True)
         starts = shard.offsets[unique]
         ends = shard.offsets[unique + 1]
