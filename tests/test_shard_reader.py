@@ -211,3 +211,44 @@ def test_destination_too_small_is_refused(shard):
     segments, rows, crcs, dests, _ = request(header, ref, [0, 5], ["tokens"], dest_rows=3)
     with pytest.raises(ValueError, match="does not fit"):
         run(path, segments, rows, crcs, dests)
+
+
+def extra_fields_buffer(storage=None):
+    return tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage, routing=(200, 3, 2), extra_fields={
+        "values": tr.FieldSpec("values", "token", torch.bfloat16, required=False),
+        "difficulty": tr.FieldSpec("difficulty", "rollout", torch.float32, required=False),
+    })
+
+
+def extra_batch(n, seed, optional):
+    from rollouts import make_batch
+
+    batch = make_batch(n, seed=seed, min_len=50, max_len=3000)
+    g = torch.Generator().manual_seed(seed)
+    batch["routing"] = [torch.randint(0, 200, (t.numel(), 3, 2), generator=g) for t in batch["tokens"]]
+    if optional:
+        batch["values"] = [torch.randn(t.numel(), generator=g).to(torch.bfloat16) for t in batch["tokens"]]
+        batch["difficulty"] = torch.rand(n, generator=g)
+    return batch
+
+
+@pytest.mark.parametrize("optional", [(True, True), (False, True), (True, False)])
+def test_cold_samples_match_hot_with_shaped_and_optional_fields(tmp_path, optional):
+    """Cold shards sharing a layout come back as one batch; shards that differ (an optional field
+    present in some) take the per-shard path. Both must give what the hot-only buffer gives."""
+    hot = extra_fields_buffer()
+    cold = extra_fields_buffer(TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix"))
+    for i, opt in enumerate(optional):
+        batch = extra_batch(12, seed=30 + i, optional=opt)
+        hot.add(batch)
+        cold.add(batch)
+    cold.storage.flush()
+    assert cold.metrics()["storage_cold_shards"] == len(optional)
+    for seed in range(3):
+        a = hot.sample(20, generator=torch.Generator().manual_seed(seed))
+        b = cold.sample(20, generator=torch.Generator().manual_seed(seed))
+        assert a.data.keys() == b.data.keys()
+        for key in a.data:
+            assert torch.equal(a.data[key], b.data[key]), key
+    assert cold.metrics()["storage_cold_reads"] > 0
+    cold.close()
