@@ -16,7 +16,6 @@
 #include <fcntl.h>
 #include <sys/types.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +32,8 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include "crc32.h"
 
 namespace torchreplay {
 namespace shard {
@@ -249,8 +250,7 @@ inline void read_rows(const std::vector<std::string>& paths, const std::vector<S
     for (int64_t p = 0; p < t.valid_bytes; p += g.page_size) {
       const int64_t page = (t.block_pos + p) / g.page_size;
       const int64_t n = std::min(g.page_size, t.valid_bytes - p);
-      const int64_t crc = static_cast<int64_t>(
-          ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(r.buf + p), static_cast<uInt>(n)));
+      const int64_t crc = crc::crc32(0, reinterpret_cast<const uint8_t*>(r.buf) + p, static_cast<size_t>(n));
       const bool ok = crc == crcs[g.crc_begin + page];
       page_state[g.crc_begin + page] = ok ? kPageOk : kPageBad;
       if (!ok && intact) fail(t.seg, kChecksum, page);

@@ -176,9 +176,24 @@ void test_refused(const Fixture& fx) {
   CHECK(res.refused.find("checksums") != std::string::npos, "got '%s'", res.refused.c_str());
 }
 
+void test_crc_matches_zlib() {
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> buf(70000);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (int i = 0; i < 3000; ++i) {
+    // Every length class: below the folding minimum, odd tails, unaligned starts, whole pages.
+    const size_t off = rng() % 32, n = i < 200 ? static_cast<size_t>(i) : rng() % (buf.size() - 32);
+    const uint32_t init = i % 2 ? static_cast<uint32_t>(rng()) : 0;
+    const uint32_t want = static_cast<uint32_t>(::crc32(init, buf.data() + off, static_cast<uInt>(n)));
+    const uint32_t got = torchreplay::crc::crc32(init, buf.data() + off, n);
+    CHECK(want == got, "n=%zu off=%zu init=%08x: zlib %08x, ours %08x", n, off, init, want, got);
+  }
+}
+
 }  // namespace
 
 int main() {
+  test_crc_matches_zlib();
   char tmpl[] = "/tmp/torchreplay-reader-test-XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
   if (!dir) {
