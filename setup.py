@@ -26,7 +26,7 @@ def want_cuda() -> bool:
 
 
 def extension():
-    sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp", "csrc/cpu/pad_cpu.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp", "csrc/cpu/pad_cpu.cpp", "csrc/cpu/shard_reader_ops.cpp"]
     if want_cuda():
         sources += ["csrc/cuda/tree_cuda.cu", "csrc/cuda/tree_cuda_ops.cpp"]
         # torch's CUDA headers need C++20 from 2.14 on.
@@ -36,9 +36,11 @@ def extension():
             sources,
             extra_compile_args={"cxx": cxx, "nvcc": NVCC_FLAGS},
             extra_link_args=["-fopenmp"],
+            libraries=["z"],
         )
     return CppExtension(
-        "torchreplay._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"]
+        "torchreplay._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"],
+        libraries=["z"],  # zlib's crc32 for the shard reader: the same checksum Python's zlib writes
     )
 
 

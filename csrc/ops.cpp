@@ -1,5 +1,5 @@
 // Op schemas for the torchreplay namespace, declared once. Back ends register implementations per
-// dispatch key in cpu/tree_cpu_ops.cpp and cuda/tree_cuda_ops.cpp.
+// dispatch key in cpu/*.cpp and cuda/tree_cuda_ops.cpp.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -36,6 +36,9 @@ TORCH_LIBRARY(torchreplay, m) {
   m.def("tree_rebuild(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, int capacity) -> ()");
   m.def("pad_rows(Tensor values, Tensor starts, Tensor lengths, Tensor dest, Tensor(a!) out, bool left, "
         "Scalar? fill=None) -> ()");
+  // Cold-tier reads (csrc/shard_reader.h): pread + page CRC32 + row copies for many shards at once.
+  m.def("read_shard_rows(str[] paths, Tensor segments, Tensor rows, Tensor crcs, Tensor(a!)[] dests, "
+        "Tensor(b!) page_state, bool direct, int threads) -> Tensor");
   m.def("cuda_version() -> int", &cuda_version);
 }
 

@@ -600,14 +600,10 @@ class RolloutBuffer:
     def _pad(self, plan: _Plan) -> ReplayBatch:
         n = plan.slots.numel()
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
-        parts = []
         lengths = torch.empty(n, dtype=torch.int64)
-        where = [(plan.shard_of == shard.id).nonzero().flatten() for shard in plan.shards]
-        fetched = self.storage.fetch_many([(shard, plan.rows[at]) for shard, at in zip(plan.shards, where)],
-                                          token_fields)
-        for at, (batch, index) in zip(where, fetched):
+        parts = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields)
+        for at, batch, index in parts:
             lengths[at] = batch.offsets[index + 1] - batch.offsets[index]
-            parts.append((at, batch, index))
         width = int(lengths.max()) if n else 0
         left = self.padding_side == "left"
         # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.

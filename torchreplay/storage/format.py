@@ -74,7 +74,7 @@ class BlockInfo:
 
     @property
     def row_bytes(self) -> int:
-        n = torch.tensor([], dtype=self.dtype).element_size()
+        n = self.dtype.itemsize
         for d in self.shape:
             n *= d
         return n

@@ -14,6 +14,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
+import torch
+
+from torchreplay._ops import ops
 from torchreplay.errors import StorageError
 from torchreplay.storage.format import ALIGN, align_up
 
@@ -21,6 +24,17 @@ log = logging.getLogger("torchreplay.storage")
 
 # Large requests are split so several threads (and NVMe queues) work on one shard at a time.
 TASK_BYTES = 4 * 1024 * 1024
+
+# read_rows status codes per segment (csrc/shard_reader.h: Code) and page states (PageState).
+READ_OK, READ_CHECKSUM, READ_SHORT, READ_OPEN, READ_FAILED = 0, 1, 2, 3, 4
+PAGE_UNREAD, PAGE_OK, PAGE_BAD = 0, 1, 2
+
+
+def read_shard_rows(paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
+                    dests: Sequence[torch.Tensor], page_state: torch.Tensor, direct: bool, threads: int
+                    ) -> torch.Tensor:
+    """Row reads from shard files by the C++ reader: see IOBackend.read_rows."""
+    return ops.read_shard_rows(list(paths), segments, rows, crcs, list(dests), page_state, direct, threads)
 
 
 def storage_error(exc: OSError, what: str, path: str) -> StorageError:
@@ -50,6 +64,17 @@ class IOBackend(Protocol):
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Read (offset, nbytes) ranges, 4 KiB aligned, in parallel."""
 
+    def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
+                  dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
+        """Token rows of field blocks in shard files, every page they touch verified, copied into
+        `dests` (host tensors). segments: int64 [S, 9] (file index, block offset, block bytes, row
+        bytes, page size, first checksum index, destination index or -1 to verify only, row range
+        begin, end); rows: int64 [R, 3] (first token row, end, destination row); crcs: every page
+        checksum; page_state: uint8 per checksum, set to PAGE_OK/PAGE_BAD for the pages read.
+        Returns int64 [S, 4]: status code (READ_*), detail (page, bytes got, or errno), bytes
+        read, pread calls. Failures are reported, not raised; an inconsistent request raises
+        ValueError before anything is read."""
+
     def close(self) -> None: ...
 
 
@@ -69,6 +94,7 @@ class PosixIO:
         if direct and not hasattr(os, "O_DIRECT"):
             raise ValueError("direct=True needs O_DIRECT, which this platform lacks")
         self.direct = direct
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-io")
         self._local = threading.local()
 
@@ -169,6 +195,10 @@ class PosixIO:
         finally:
             os.close(fd)
 
+    def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
+                  dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
+        return read_shard_rows(paths, segments, rows, crcs, dests, page_state, self.direct, self.threads)
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -183,6 +213,7 @@ class KvikioIO:
         import kvikio  # noqa: F401  (ImportError/OSError tell the caller kvikio is unusable here)
 
         self._kvikio = kvikio
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-kvikio")
         self._posix = PosixIO(threads=threads)
 
@@ -231,6 +262,12 @@ class KvikioIO:
         except RuntimeError as exc:
             raise StorageError(f"kvikio cannot read shard {path}: {exc}") from exc
         return out
+
+    def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
+                  dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
+        # Rows bound for host memory: cuFile would only add a bounce buffer over the same preads
+        # (GPUDirect pays off for device destinations, read_to_device), so the C++ reader serves both.
+        return read_shard_rows(paths, segments, rows, crcs, dests, page_state, False, self.threads)
 
     def read_to_device(self, path: str, offset: int, nbytes: int, out) -> None:
         """Read straight into device memory (a CUDA tensor or any __cuda_array_interface__ buffer)."""

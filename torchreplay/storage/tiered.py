@@ -9,13 +9,11 @@ pin counts and deferred deletions, the one state those threads share (see docs/a
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import math
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +24,8 @@ import torch
 from torchreplay.errors import StorageError
 from torchreplay.schema import PackedBatch
 from torchreplay.storage import format as fmt
-from torchreplay.storage.io import IOBackend, make_io, storage_error
+from torchreplay.storage.io import (PAGE_BAD, READ_CHECKSUM, READ_OPEN, READ_SHORT, IOBackend, make_io,
+                                    storage_error)
 
 log = logging.getLogger("torchreplay.storage")
 
@@ -39,6 +38,37 @@ class CorruptRows(StorageError):
         self.shard_id = shard_id
         self.rows = rows
         self.reason = reason
+
+
+def _read_failure(path: str, field_name: str, status: list[int]) -> str:
+    code, detail = status[0], status[1]
+    if code == READ_SHORT:
+        return (f"short read from {path} (field {field_name!r}): {detail} bytes where a whole page run was "
+                "expected (truncated file?)")
+    what = "cannot open shard" if code == READ_OPEN else "cannot read shard"
+    return str(storage_error(OSError(detail, os.strerror(detail)), what, path))
+
+
+def _layout(shard: _Shard, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    block = shard.header.blocks[name]
+    return block.dtype, block.shape
+
+
+def _same_layout(shards: list[_Shard], fields: list[str]) -> bool:
+    """Whether the shards store the same requested token fields in the same dtypes and shapes, and
+    the same rollout fields: then their rows can share one packed batch."""
+    first = shards[0]
+    names = [name for name in fields if name in first.token_fields]
+    layouts = [_layout(first, name) for name in names]
+    return all([name for name in fields if name in s.token_fields] == names
+               and [_layout(s, name) for name in names] == layouts
+               and s.rollout.keys() == first.rollout.keys() for s in shards[1:])
+
+
+def _row_base(shards: list[_Shard], extra: int) -> torch.Tensor:
+    """Where each shard's rows start in the concatenation of per-shard tensors of n + extra rows."""
+    sizes = torch.tensor([0] + [s.n + extra for s in shards[:-1]])
+    return torch.cumsum(sizes, 0)
 
 
 # ------------------------------------------------------------------------------- hot policies
@@ -104,6 +134,7 @@ class _Shard:
     # Set for a shard restored lazily: downloads its file to `path` on first use.
     remote: Callable[[str], None] | None = None
     fetch_lock: threading.Lock = field(default_factory=threading.Lock)
+    crc_table: tuple[torch.Tensor, dict[str, int]] | None = None  # see TieredStorage._crc_table
 
     def batch(self) -> PackedBatch:
         assert self.token is not None
@@ -170,8 +201,6 @@ class TieredStorage:
                 raise StorageError(f"spill_dir {self.spill_dir}: permission denied")
             self.io = make_io(io, threads=io_threads, direct=direct)
             self._spill = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-spill")
-            # Cold shards of one batch are read concurrently (each read itself fans out on the I/O pool).
-            self._fetchers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchreplay-fetch")
         self.io_name = self.io.name if self.io else "none"
         self._shards: dict[int, _Shard] = {}
         self._ids = itertools.count()
@@ -180,7 +209,7 @@ class TieredStorage:
         self._background_error: BaseException | None = None
         self._pending_deletes: list[_Shard] = []
         self.optional_fields: set[str] = set()
-        self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "spilled_shards": 0,
+        self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "cold_requests": 0, "spilled_shards": 0,
                          "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
                          "compactions": 0, "fetched_shards": 0}
 
@@ -205,7 +234,6 @@ class TieredStorage:
     def close(self) -> None:
         if self.io is not None:
             self._spill.shutdown(wait=True)
-            self._fetchers.shutdown(wait=True)
             self._poll()
             self.io.close()
 
@@ -436,102 +464,202 @@ class TieredStorage:
 
     def fetch_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str]
                    ) -> list[tuple[PackedBatch, torch.Tensor]]:
-        """`fetch` for several pinned shards, cold ones read concurrently."""
-        cold = [i for i, (shard, _) in enumerate(requests) if shard.token is None]
-        if self.io is None or len(cold) <= 1:
-            return [self.fetch(shard, rows, fields) for shard, rows in requests]
-        futures = {i: self._fetchers.submit(self.fetch, *requests[i], fields) for i in cold}
-        return [futures[i].result() if i in futures else self.fetch(*requests[i], fields)
-                for i in range(len(requests))]
+        """`fetch` for several pinned shards; the cold ones are read together in one reader call."""
+        with self._lock:
+            tokens = [shard.token for shard, _ in requests]
+        cold = [i for i, token in enumerate(tokens) if token is None]
+        read = dict(zip(cold, self._read_cold_many([requests[i] for i in cold], fields))) if cold else {}
+        out = []
+        for i, (shard, rows) in enumerate(requests):
+            got = read[i] if i in read else self.fetch(shard, rows, fields)
+            if isinstance(got, CorruptRows):
+                raise got
+            out.append(got)
+        return out
+
+    def fetch_slots(self, shards: list[_Shard], shard_of: torch.Tensor, rows: torch.Tensor, fields: list[str]
+                    ) -> list[tuple[torch.Tensor, PackedBatch, torch.Tensor]]:
+        """Rows for a sampled batch from pinned shards: position k wants row rows[k] of shard id
+        shard_of[k]. Returns parts (positions, batch, index), batch row index[j] holding position
+        positions[j]. Hot shards come back as themselves. Cold shards that agree on their fields
+        come back as one batch, read in one reader call, so the caller pads them with one op per
+        field: per-shard batches cost a handful of tensor ops per shard, and a batch of 256
+        rollouts sampled from 4 GiB touches ~65 shards."""
+        with self._lock:
+            cold = [s for s in shards if s.token is None]
+        if not cold or not _same_layout(cold, fields):
+            where = [(shard_of == s.id).nonzero().flatten() for s in shards]
+            got = self.fetch_many([(s, rows[at]) for s, at in zip(shards, where)], fields)
+            return [(at, batch, index) for at, (batch, index) in zip(where, got)]
+        ids = torch.tensor([s.id for s in cold])
+        sorted_ids, by_id = torch.sort(ids)
+        slot = torch.searchsorted(sorted_ids, shard_of).clamp_(max=len(cold) - 1)
+        is_cold = sorted_ids[slot] == shard_of
+        at = is_cold.nonzero().flatten()
+        which = by_id[slot[at]]
+        offsets, values, failures = self._read_cold_rows(cold, which, rows[at], fields)
+        for i in sorted(failures):
+            raise failures[i]
+        where_rows = _row_base(cold, 0)[which] + rows[at]
+        rollout = {name: torch.cat([s.rollout[name] for s in cold])[where_rows] for name in cold[0].rollout}
+        batch = PackedBatch(n=at.numel(), offsets=offsets, rollout=rollout,
+                            token={name: t for (name, _, _), t in values.items()})
+        parts = [(at, batch, torch.arange(at.numel()))]
+        cold_ids = {s.id for s in cold}
+        hot = [s for s in shards if s.id not in cold_ids]
+        if hot:
+            where = [(shard_of == s.id).nonzero().flatten() for s in hot]
+            got = self.fetch_many([(s, rows[w]) for s, w in zip(hot, where)], fields)
+            parts += [(w, part, index) for w, (part, index) in zip(where, got)]
+        return parts
 
     def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
-        self.ensure_local(shard)
-        unique, index = torch.unique(rows, return_inverse=True)
-        starts = shard.offsets[unique]
-        ends = shard.offsets[unique + 1]
-        lengths = ends - starts
-        header = shard.header
-        page = header.page_size
-        out_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=out_offsets[1:])
-        ranges: list[tuple[int, int]] = []
-        plans = []
-        for name in fields:
-            block = header.blocks[name]
-            rb = block.row_bytes
-            first_page = (starts * rb) // page
-            last_page = torch.clamp((ends * rb - 1) // page, min=first_page)
-            # Coalesce overlapping / adjacent page runs into one read each.
-            runs: list[list[int]] = []
-            for a, b in zip(first_page.tolist(), last_page.tolist()):
-                if runs and a <= runs[-1][1] + 1:
-                    runs[-1][1] = max(runs[-1][1], b)
-                else:
-                    runs.append([a, b])
-            first_range = len(ranges)
-            for a, b in runs:
-                begin = block.offset + a * page
-                end = min(block.offset + (b + 1) * page, fmt.align_up(block.offset + block.nbytes))
-                ranges.append((begin, end - begin))
-            plans.append((name, block, runs, first_range))
-        try:
-            datas = self.io.read_ranges(shard.path, ranges) if ranges else []
-        except StorageError as exc:
-            # A vanished or truncated file takes every rollout in it.
-            raise CorruptRows(shard.id, list(range(shard.n)), str(exc)) from exc
-        self.counters["cold_reads"] += 1
-        self.counters["cold_bytes_read"] += sum(n for _, n in ranges)
-        token: dict[str, torch.Tensor] = {}
-        for name, block, runs, first_range in plans:
-            rb = block.row_bytes
-            bad_rows: list[int] = []
-            run_data = {}
-            for i, (a, b) in enumerate(runs):
-                data = datas[first_range + i]
-                for p in range(a, b + 1):
-                    begin = (p - a) * page
-                    size = min(page, block.nbytes - p * page)
-                    if zlib.crc32(data[begin : begin + size]) != block.page_crcs[p]:
-                        # Every requested row touching this page is suspect.
-                        lo, hi = p * page // rb if rb else 0, ((p + 1) * page + rb - 1) // rb if rb else 0
-                        hit = ((starts < hi) & (ends > lo)).nonzero().flatten()
-                        bad_rows.extend(unique[hit].tolist())
-                run_data[a] = data
-            if bad_rows:
+        got = self._read_cold_many([(shard, rows)], fields)[0]
+        if isinstance(got, CorruptRows):
+            raise got
+        return got
+
+    def _crc_table(self, shard: _Shard) -> tuple[torch.Tensor, dict[str, int]]:
+        """Every page checksum of the shard as one tensor, and where each block's pages start in it."""
+        table = shard.crc_table
+        if table is None:  # the header is immutable, so a racing duplicate computes the same table
+            base, crcs = {}, []
+            for name, block in shard.header.blocks.items():
+                base[name] = len(crcs)
+                crcs.extend(block.page_crcs)
+            table = shard.crc_table = (torch.tensor(crcs, dtype=torch.int64), base)
+        return table
+
+    def _read_cold_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str]
+                        ) -> list[tuple[PackedBatch, torch.Tensor] | CorruptRows]:
+        """Per shard: (batch, index) as `fetch` returns, or the CorruptRows to raise for it."""
+        shards = [shard for shard, _ in requests]
+        counts = [rows.numel() for _, rows in requests]
+        which = torch.repeat_interleave(torch.arange(len(shards)), torch.tensor(counts))
+        offsets, values, failures = self._read_cold_rows(shards, which, torch.cat([r for _, r in requests]), fields)
+        results: list[tuple[PackedBatch, torch.Tensor] | CorruptRows] = []
+        first = 0
+        for i, (shard, rows) in enumerate(requests):
+            if i in failures:
+                results.append(failures[i])
+            else:
+                # This shard's rows are one contiguous stretch of the packed result: views, no copy.
+                lo, hi = int(offsets[first]), int(offsets[first + counts[i]])
+                token = {name: t[lo:hi] for (name, dtype, shape), t in values.items()
+                         if name in shard.token_fields and _layout(shard, name) == (dtype, shape)}
+                results.append((PackedBatch(n=counts[i], offsets=offsets[first : first + counts[i] + 1] - lo,
+                                            token=token, rollout={k: v[rows] for k, v in shard.rollout.items()}),
+                                torch.arange(counts[i])))
+            first += counts[i]
+        return results
+
+    def _read_cold_rows(self, shards: list[_Shard], which: torch.Tensor, rows: torch.Tensor, fields: list[str]
+                        ) -> tuple[torch.Tensor, dict[tuple, torch.Tensor], dict[int, CorruptRows]]:
+        """Row rows[k] of shards[which[k]] for every k, packed in that order, in one C++ reader call
+        (csrc/shard_reader.h): it reads the pages covering the rows from every shard file, verifies
+        each page's CRC32 and copies the rows into the packed tensors, on io_threads threads
+        without the GIL. Returns (offsets [K + 1], {(field, dtype, shape): values}, {shard position:
+        CorruptRows}); a shard lacking a field (or storing it in another layout) leaves its rows
+        of that tensor unwritten."""
+        remote = [s for s in shards if s.remote is not None]
+        if len(remote) > 1:
+            # First use of several lazily restored shards: download them side by side.
+            with ThreadPoolExecutor(max_workers=min(len(remote), 8), thread_name_prefix="torchreplay-fetch") as pool:
+                list(pool.map(self.ensure_local, remote))
+        elif remote:
+            self.ensure_local(remote[0])
+        if rows.numel():
+            limit = torch.tensor([s.n for s in shards])[which]
+            if bool((rows < 0).any()) or bool((rows >= limit).any()):
+                raise StorageError("cold read of rows outside their shard")
+        starts_ends = torch.cat([s.offsets for s in shards])
+        g = _row_base(shards, 1)[which] + rows
+        starts, ends = starts_ends[g], starts_ends[g + 1]
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+        torch.cumsum(ends - starts, 0, out=offsets[1:])
+        order = torch.argsort(which, stable=True)  # the reader takes each shard's rows as one stretch
+        row_table = torch.stack([starts[order], ends[order], offsets[:-1][order]], 1)
+        counts = torch.bincount(which, minlength=len(shards)).tolist()
+        total = int(offsets[-1])
+        values: dict[tuple, torch.Tensor] = {}
+        dest_of: dict[tuple, int] = {}
+        segments: list[tuple[int, ...]] = []
+        owners: list[tuple[int, str]] = []
+        crc_parts = []
+        n_crcs = first = 0
+        for i, shard in enumerate(shards):
+            crcs, base = self._crc_table(shard)
+            header = shard.header
+            for name in fields:
+                if name not in shard.token_fields:
+                    continue
+                block = header.blocks[name]
+                key = (name, block.dtype, block.shape)
+                if key not in values:
+                    values[key] = torch.empty((total, *block.shape), dtype=block.dtype)
+                    dest_of[key] = len(dest_of)
+                # The reader checks these rows against the block and the block against the file.
+                segments.append((i, block.offset, block.nbytes, block.row_bytes, header.page_size,
+                                 n_crcs + base[name], dest_of[key], first, first + counts[i]))
+                owners.append((i, name))
+            crc_parts.append(crcs)
+            n_crcs += crcs.numel()
+            first += counts[i]
+        status = self._read_rows([s.path for s in shards], segments, [row_table], crc_parts, list(values.values()))
+        mine: dict[int, list[tuple[str, list[int]]]] = {}
+        for (i, name), st in zip(owners, status):
+            mine.setdefault(i, []).append((name, st))
+        failures: dict[int, CorruptRows] = {}
+        for i, shard in enumerate(shards):
+            got = mine.get(i, [])
+            self.counters["cold_reads"] += 1
+            self.counters["cold_bytes_read"] += sum(st[2] for _, st in got)
+            self.counters["cold_requests"] += sum(st[3] for _, st in got)
+            failed = next(((name, st) for name, st in got if st[0] >= READ_SHORT), None)
+            if failed is not None:
+                # A vanished, unreadable or truncated file takes every rollout in it.
+                failures[i] = CorruptRows(shard.id, list(range(shard.n)), _read_failure(shard.path, *failed))
+            elif any(st[0] == READ_CHECKSUM for _, st in got):
+                name = next(name for name, st in got if st[0] == READ_CHECKSUM)
                 # One bad page rarely travels alone: verify the whole shard once, so every affected
                 # rollout goes now rather than one failed batch at a time.
-                raise CorruptRows(shard.id, self._scan_bad_rows(shard), f"checksum mismatch in field {name!r}")
-            # Rows go straight from the verified pages into the field's tensor: one copy.
-            out = torch.empty((int(out_offsets[-1]), *block.shape), dtype=block.dtype)
-            dst = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-            run_starts = [a * page for a, _ in runs]
-            cursor = 0
-            for s, e in zip(starts.tolist(), ends.tolist()):
-                byte_begin, byte_end = s * rb, e * rb
-                a = runs[bisect.bisect_right(run_starts, byte_begin) - 1][0]
-                dst[cursor : cursor + byte_end - byte_begin] = run_data[a][byte_begin - a * page : byte_end - a * page]
-                cursor += byte_end - byte_begin
-            token[name] = out
-        batch = PackedBatch(n=unique.numel(), offsets=out_offsets, token=token,
-                            rollout={k: v[unique] for k, v in shard.rollout.items()})
-        return batch, index
+                failures[i] = CorruptRows(shard.id, self._scan_bad_rows(shard), f"checksum mismatch in field {name!r}")
+        return offsets, values, failures
+
+    def _read_rows(self, paths: list[str], segments: list[tuple[int, ...]], row_parts: list[torch.Tensor],
+                   crc_parts: list[torch.Tensor], dests: list[torch.Tensor],
+                   page_state: torch.Tensor | None = None) -> list[list[int]]:
+        crcs = torch.cat(crc_parts) if crc_parts else torch.zeros(0, dtype=torch.int64)
+        if page_state is None:
+            page_state = torch.empty(crcs.numel(), dtype=torch.uint8)
+        status = self.io.read_rows(
+            paths, torch.tensor(segments, dtype=torch.int64).reshape(-1, 9),
+            torch.cat(row_parts) if row_parts else torch.zeros((0, 3), dtype=torch.int64), crcs, dests, page_state)
+        return status.tolist()
 
     def _scan_bad_rows(self, shard: _Shard) -> list[int]:
         header = shard.header
         page = header.page_size
-        bad: set[int] = set()
+        crcs, base = self._crc_table(shard)
         blocks = [header.blocks[name] for name in shard.token_fields]
-        try:
-            datas = self.io.read_ranges(shard.path, [(b.offset, fmt.align_up(b.nbytes)) for b in blocks])
-        except StorageError:
+        # Verify-only segments (destination -1) over every token row of each token block.
+        segments = [(0, b.offset, b.nbytes, b.row_bytes, page, base[b.name], -1, k, k + 1)
+                    for k, b in enumerate(blocks)]
+        whole = torch.tensor([[0, b.nbytes // b.row_bytes if b.row_bytes else 0, 0] for b in blocks],
+                             dtype=torch.int64).reshape(-1, 3)
+        page_state = torch.empty(crcs.numel(), dtype=torch.uint8)
+        status = self._read_rows([shard.path], segments, [whole], [crcs], [], page_state)
+        if any(s[0] >= READ_SHORT for s in status):
             return list(range(shard.n))
+        bad: set[int] = set()
         starts, ends = shard.offsets[:-1], shard.offsets[1:]
-        for block, data in zip(blocks, datas):
+        for block in blocks:
             rb = block.row_bytes or 1
-            for p, crc in enumerate(block.page_crcs):
-                if zlib.crc32(data[p * page : min((p + 1) * page, block.nbytes)]) != crc:
-                    lo, hi = p * page // rb, ((p + 1) * page + rb - 1) // rb
-                    bad.update(((starts < hi) & (ends > lo)).nonzero().flatten().tolist())
+            first = base[block.name]
+            states = page_state[first : first + len(block.page_crcs)]
+            for p in (states == PAGE_BAD).nonzero().flatten().tolist():
+                lo, hi = p * page // rb, ((p + 1) * page + rb - 1) // rb
+                bad.update(((starts < hi) & (ends > lo)).nonzero().flatten().tolist())
         return sorted(bad)
 
     def read_shard(self, shard_id: int) -> PackedBatch:

@@ -1,0 +1,58 @@
+// Torch glue of the cold-tier row reader (csrc/shard_reader.h). Tensors carry the request so one
+// op call covers every cold shard of a sampled batch; torch releases the GIL around op calls, so
+// the reader's threads and Python's never wait on each other.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../shard_reader.h"
+
+namespace torchreplay {
+namespace {
+
+at::Tensor read_shard_rows_cpu(std::vector<std::string> paths, const at::Tensor& segments_in,
+                               const at::Tensor& rows_in, const at::Tensor& crcs_in, at::TensorList dests_in,
+                               const at::Tensor& page_state, bool direct, int64_t threads) {
+  TORCH_CHECK(segments_in.dim() == 2 && segments_in.size(1) == shard::kSegmentFields &&
+                  segments_in.scalar_type() == at::kLong,
+              "segments must be int64 [S, ", shard::kSegmentFields, "]");
+  TORCH_CHECK(rows_in.dim() == 2 && rows_in.size(1) == shard::kRowFields && rows_in.scalar_type() == at::kLong,
+              "rows must be int64 [R, ", shard::kRowFields, "]");
+  TORCH_CHECK(crcs_in.dim() == 1 && crcs_in.scalar_type() == at::kLong, "crcs must be a 1-D int64 tensor");
+  TORCH_CHECK(page_state.dim() == 1 && page_state.scalar_type() == at::kByte && page_state.is_contiguous() &&
+                  page_state.numel() == crcs_in.numel(),
+              "page_state must be a contiguous uint8 tensor with one entry per checksum");
+  TORCH_CHECK(threads >= 1 && threads <= 256, "threads must be in [1, 256], got ", threads);
+  for (const auto* t : {&segments_in, &rows_in, &crcs_in, &page_state}) {
+    TORCH_CHECK(t->device().is_cpu(), "read_shard_rows takes CPU tensors");
+  }
+  const at::Tensor segments = segments_in.contiguous(), rows_t = rows_in.contiguous(), crcs = crcs_in.contiguous();
+  std::vector<shard::Segment> segs(segments.size(0));
+  std::memcpy(segs.data(), segments.data_ptr<int64_t>(), segs.size() * sizeof(shard::Segment));
+  std::vector<shard::Row> rows(rows_t.size(0));
+  std::memcpy(rows.data(), rows_t.data_ptr<int64_t>(), rows.size() * sizeof(shard::Row));
+  std::vector<shard::Dest> dests;
+  dests.reserve(dests_in.size());
+  for (const at::Tensor& d : dests_in) {
+    TORCH_CHECK(d.device().is_cpu() && d.is_contiguous(), "destinations must be contiguous CPU tensors");
+    dests.push_back({static_cast<char*>(d.data_ptr()), static_cast<int64_t>(d.nbytes())});
+  }
+  const std::string why = shard::validate(segs, rows, static_cast<int64_t>(paths.size()), crcs.numel(), dests);
+  TORCH_CHECK_VALUE(why.empty(), "read_shard_rows: ", why);
+  page_state.zero_();
+  std::vector<shard::Status> status;
+  shard::read_rows(paths, segs, rows, crcs.data_ptr<int64_t>(), dests, page_state.data_ptr<uint8_t>(), status,
+                   direct, static_cast<int>(threads));
+  at::Tensor out = at::empty({static_cast<int64_t>(status.size()), shard::kStatusFields}, at::kLong);
+  std::memcpy(out.data_ptr<int64_t>(), status.data(), status.size() * sizeof(shard::Status));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchreplay, CPU, m) { m.impl("read_shard_rows", &read_shard_rows_cpu); }
+
+}  // namespace torchreplay
