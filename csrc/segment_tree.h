@@ -87,7 +87,8 @@ TR_HD int64_t cover_of_level(const Layout& L, int d) {
 TR_HD double positive_infinity() { return __builtin_huge_val(); }
 
 // Recompute internal node j of level d from its K children. Children are summed left to right in
-// float64, which fixes the rounding so every back end produces bit-identical sums.
+// float64 from 0.0, which fixes the rounding so every back end produces bit-identical sums, and makes
+// a node's stored sum equal to the last prefix choose_child computes over its children.
 template <typename scalar_t>
 TR_HD void recompute_node(const Layout& L, const scalar_t* leaves, double* sums, double* mins, int d,
                           int64_t j) {
@@ -114,26 +115,59 @@ TR_UNROLL
   mins[L.level_offset[d] + j] = lowest;
 }
 
+// Index of the lowest / highest set bit of a non-zero mask.
+TR_HD int lowest_bit(unsigned mask) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(static_cast<int>(mask)) - 1;
+#else
+  return __builtin_ctz(mask);
+#endif
+}
+
+TR_HD int highest_bit(unsigned mask) {
+#if defined(__CUDA_ARCH__)
+  return 31 - __clz(static_cast<int>(mask));
+#else
+  return 31 - __builtin_clz(mask);
+#endif
+}
+
 // Pick the child of a node whose prefix range contains `target`, and make `target` relative to it.
+//
+// The arithmetic is fixed so that every back end, and every CPU kernel (one sample at a time or a
+// sorted batch merged against the node), chooses the same child: the prefix sums P_c are summed
+// left to right from 0.0 exactly as recompute_node sums the node's total, the child is the first
+// live one with target < P_c, and the new target is target - P_(c-1), one rounding. The prefixes do
+// not depend on `target`, so the choice is a comparison mask rather than a chain of data-dependent
+// branches (a mispredicted branch per level was most of the CPU descent's time).
+//
 // A zero-priority child is never chosen, even when rounding pushes `target` to or past the node's
-// total: then the last child with positive mass is taken. This is what keeps an index >= capacity
-// (or a dead leaf) from ever coming back, a known failure of float32 trees.
+// total: then the last child with positive mass is taken and `target` becomes its whole mass. This
+// is what keeps an index >= capacity (or a dead leaf) from ever coming back, a known failure of
+// float32 trees. Only an empty node (which callers rule out) gives child 0.
 template <typename value_t>
 TR_HD int choose_child(const value_t* children, double& target) {
-  int last_positive = -1;
+  double prefix[kArity + 1];
+  prefix[0] = 0.0;
+  unsigned live = 0;
+  unsigned below = 0;
 TR_UNROLL
   for (int c = 0; c < kArity; ++c) {
-    double v = static_cast<double>(children[c]);
-    if (v > 0.0) {
-      if (target < v) return c;
-      last_positive = c;
-      target -= v;
-    }
+    const double v = static_cast<double>(children[c]);
+    prefix[c + 1] = prefix[c] + v;
+    live |= static_cast<unsigned>(v > 0.0) << c;
+    below |= static_cast<unsigned>(target < prefix[c + 1]) << c;
   }
-  // Rounding overshoot: stay inside the last live child. Its own descent then lands on its last
-  // live leaf. last_positive is -1 only when the node is empty, which callers rule out.
-  if (last_positive >= 0) target = static_cast<double>(children[last_positive]);
-  return last_positive < 0 ? 0 : last_positive;
+  const unsigned hit = live & below;
+  if (hit != 0) {
+    const int c = lowest_bit(hit);
+    target -= prefix[c];
+    return c;
+  }
+  if (live == 0) return 0;
+  const int c = highest_bit(live);
+  target = static_cast<double>(children[c]);
+  return c;
 }
 
 // Map a uniform u in [0, 1) for sample k of a batch of n to a prefix-sum target in [0, total).

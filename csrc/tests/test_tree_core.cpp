@@ -171,6 +171,87 @@ void test_single_live_leaf_at_every_boundary() {
   }
 }
 
+
+// The level-synchronous sampler (merged runs, blocks, thread chunks) must return, sample for
+// sample, what the one-at-a-time descend() returns (the CUDA kernel's path). Priorities spread
+// over 60 orders of magnitude, with dead runs, make the prefix sums round hard, so targets land on
+// rounding edges and in the overshoot fallback too.
+template <typename scalar_t, typename For>
+void test_batched_sample_matches_descend(int64_t capacity, uint32_t seed) {
+  Tree<scalar_t> t(capacity);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<int64_t> idx(capacity);
+  std::vector<scalar_t> pr(capacity);
+  for (int64_t i = 0; i < capacity; ++i) {
+    idx[i] = i;
+    const uint64_t kind = rng() % 8;
+    const bool dead_run = (i / 37) % 5 == 0;
+    pr[i] = dead_run || kind == 0 ? scalar_t(0)
+            : kind == 1           ? static_cast<scalar_t>(1e-30)
+            : kind == 2           ? static_cast<scalar_t>(1e30)
+                                  : static_cast<scalar_t>(unit(rng) * 10.0);
+  }
+  cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), capacity, SerialFor{});
+  if (!(t.sums[0] > 0)) return;
+  for (int64_t B : {1LL, 7LL, 33LL, 1000LL, 20000LL}) {
+    for (bool stratified : {true, false}) {
+      std::vector<double> u(B);
+      for (double& x : u) x = unit(rng);
+      u[0] = 0.0;
+      u[B - 1] = std::nextafter(1.0, 0.0);
+      if (!stratified && B > 2) std::sort(u.begin(), u.begin() + B / 2);  // a sorted half, an unsorted half
+      std::vector<int64_t> out(B);
+      std::vector<scalar_t> outp(B);
+      cpu::sample(t.L, t.leaves.data(), t.sums.data(), u.data(), B, stratified, out.data(), outp.data(), For{});
+      int bad = 0;
+      for (int64_t k = 0; k < B && bad < 5; ++k) {
+        const int64_t want = descend(t.L, t.leaves.data(), t.sums.data(), sample_target(u[k], k, B, stratified, t.sums[0]));
+        const bool ok = out[k] == want && out[k] >= 0 && out[k] < capacity && t.leaves[out[k]] > 0 &&
+                        outp[k] == t.leaves[out[k]];
+        CHECK(ok, "cap %lld B %lld stratified %d sample %lld: batched %lld, descend %lld", (long long)capacity,
+              (long long)B, stratified, (long long)k, (long long)out[k], (long long)want);
+        bad += !ok;
+      }
+    }
+  }
+}
+
+// Chunked, threaded updates (sorted sampled indices and unsorted ones with duplicates) must leave
+// exactly the tree that a rebuild from the same leaves gives: last occurrence wins, every touched
+// ancestor recomputed, bit for bit.
+template <typename scalar_t, typename For>
+void test_large_updates_match_rebuild(int64_t capacity, uint32_t seed) {
+  Tree<scalar_t> t(capacity), ref(capacity);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::uniform_int_distribution<int64_t> pick(0, capacity - 1);
+  for (int r = 0; r < 12; ++r) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 40000);
+    std::vector<int64_t> idx(n);
+    std::vector<scalar_t> pr(n);
+    const int shape = r % 4;  // 0: sampled (sorted), 1: random, 2: sorted with duplicates, 3: one narrow range
+    if (shape == 0 && t.sums[0] > 0) {
+      std::vector<double> u(n);
+      for (double& x : u) x = unit(rng);
+      std::vector<scalar_t> unused(n);
+      cpu::sample(t.L, t.leaves.data(), t.sums.data(), u.data(), n, true, idx.data(), unused.data(), For{});
+    } else {
+      const int64_t lo = shape == 3 ? pick(rng) : 0;
+      const int64_t width = shape == 3 ? std::min<int64_t>(capacity - lo, 700) : capacity;
+      for (int64_t& i : idx) i = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(width));
+      if (shape == 2) std::sort(idx.begin(), idx.end());
+    }
+    for (scalar_t& p : pr) p = rng() % 6 == 0 ? scalar_t(0) : static_cast<scalar_t>(unit(rng) * 3.0);
+    cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), n, For{});
+    for (int64_t i = 0; i < n; ++i) ref.leaves[idx[i]] = pr[i];
+    cpu::rebuild(ref.L, ref.leaves.data(), ref.sums.data(), ref.mins.data(), SerialFor{});
+    CHECK(t.leaves == ref.leaves, "cap %lld round %d (n %lld): leaves", (long long)capacity, r, (long long)n);
+    CHECK(t.sums == ref.sums, "cap %lld round %d (n %lld): sums", (long long)capacity, r, (long long)n);
+    CHECK(t.mins == ref.mins, "cap %lld round %d (n %lld): mins", (long long)capacity, r, (long long)n);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -180,6 +261,14 @@ int main() {
   test_update_sample<double, SerialFor>(100, 200, 3);
   test_update_sample<float, TwoThreadFor>(5000, 100, 4);
   test_update_sample<double, TwoThreadFor>(70000, 20, 5);
+  for (int64_t cap : {1LL, 9LL, 100LL, 5000LL, 70000LL, 1LL << 18}) {
+    test_batched_sample_matches_descend<float, SerialFor>(cap, 6);
+    test_batched_sample_matches_descend<double, TwoThreadFor>(cap, 7);
+  }
+  test_large_updates_match_rebuild<float, SerialFor>(1 << 16, 8);
+  test_large_updates_match_rebuild<float, TwoThreadFor>((1 << 16) + 5, 9);
+  test_large_updates_match_rebuild<double, TwoThreadFor>(300000, 10);
+  test_large_updates_match_rebuild<float, TwoThreadFor>(2000, 11);
   test_rebuild_matches_updates();
   test_single_live_leaf_at_every_boundary();
   if (failures) {
