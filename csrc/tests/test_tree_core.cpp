@@ -252,6 +252,31 @@ void test_large_updates_match_rebuild(int64_t capacity, uint32_t seed) {
   }
 }
 
+// Pieces of a threaded update must not share a node at or below the split level.
+void test_cut_stream_aligns_to_split_nodes() {
+  const Layout L = make_layout(1 << 20);
+  std::mt19937_64 rng(12);
+  for (int r = 0; r < 50; ++r) {
+    const int64_t count = 1 + static_cast<int64_t>(rng() % 50000);
+    std::vector<int64_t> keys(count);
+    const int64_t width = r % 3 == 0 ? 5000 : L.capacity;  // clustered keys force long moves
+    for (int64_t& k : keys) k = static_cast<int64_t>(rng() % static_cast<uint64_t>(width));
+    std::sort(keys.begin(), keys.end());
+    for (int split = 1; split < L.depth; ++split) {
+      const int64_t chunks = 1 + static_cast<int64_t>(rng() % cpu::kUpdateMaxChunks);
+      int64_t cut[cpu::kUpdateMaxChunks + 1];
+      cpu::cut_stream(L, keys.data(), count, 1, split, chunks, cut);
+      const int64_t cover = cover_of_level(L, split);
+      CHECK(cut[0] == 0 && cut[chunks] == count, "cuts span the stream");
+      for (int64_t c = 1; c < chunks; ++c) {
+        CHECK(cut[c] >= cut[c - 1], "cuts ascend");
+        CHECK(cut[c] == 0 || cut[c] == count || keys[cut[c]] / cover != keys[cut[c] - 1] / cover,
+              "cut %lld of %lld at split %d splits a node", (long long)c, (long long)chunks, split);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -269,6 +294,7 @@ int main() {
   test_large_updates_match_rebuild<float, TwoThreadFor>((1 << 16) + 5, 9);
   test_large_updates_match_rebuild<double, TwoThreadFor>(300000, 10);
   test_large_updates_match_rebuild<float, TwoThreadFor>(2000, 11);
+  test_cut_stream_aligns_to_split_nodes();
   test_rebuild_matches_updates();
   test_single_live_leaf_at_every_boundary();
   if (failures) {
