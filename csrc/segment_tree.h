@@ -8,7 +8,9 @@
 // cache line, so a descent touches one line per level: 7 levels for 2^20 leaves instead of 20 for a
 // binary tree. Internal levels are stored top-down in one flat array; level d holds
 // ceil(capacity / K^(depth - d)) nodes, padded to a multiple of K so that every node's children can
-// be read as one full group without bounds checks (padding is zero). Leaves live in their own array
+// be read as one full group without bounds checks (padding is zero). The root level is padded too:
+// with every level starting at a multiple of K, each group of children sits in one cache line of a
+// 64-byte aligned array (a lone root slot put every group across two lines). Leaves live in their own array
 // (float32 or float64), padded to a multiple of K with zeros. A parallel `mins` array holds, for
 // every internal node, the minimum over the *live* (priority > 0) leaves below it, +inf if none.
 //
@@ -66,7 +68,7 @@ TR_HD Layout make_layout(int64_t capacity) {
     int64_t cover = 1;
     for (int i = 0; i < depth - d; ++i) cover *= kArity;
     int64_t nodes = ceil_div(capacity, cover);
-    int64_t stored = d == 0 ? 1 : round_up(nodes, kArity);
+    int64_t stored = round_up(nodes, kArity);
     L.level_offset[d] = offset;
     L.level_size[d] = stored;
     L.level_nodes[d] = nodes;

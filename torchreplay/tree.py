@@ -22,7 +22,7 @@ def _layout(capacity: int) -> tuple[int, int]:
     for d in range(depth):
         cover = _ARITY ** (depth - d)
         nodes = -(-capacity // cover)
-        internal += 1 if d == 0 else -(-nodes // _ARITY) * _ARITY
+        internal += -(-nodes // _ARITY) * _ARITY
     return -(-capacity // _ARITY) * _ARITY, internal
 
 

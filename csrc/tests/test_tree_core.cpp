@@ -76,7 +76,8 @@ void test_layout() {
     Layout L = make_layout(cap);
     CHECK(L.padded_leaves >= cap && L.padded_leaves % kArity == 0, "cap=%lld", (long long)cap);
     CHECK(cover_of_level(L, 0) >= cap, "root must cover every leaf, cap=%lld", (long long)cap);
-    CHECK(L.level_size[0] == 1, "single root");
+    CHECK(L.level_nodes[0] == 1 && L.level_size[0] == kArity, "one root, padded to a group");
+    for (int d = 0; d <= L.depth; ++d) CHECK(L.level_offset[d] % kArity == 0, "level %d starts a group", d);
     for (int d = 1; d < L.depth; ++d) {
       CHECK(L.level_size[d] % kArity == 0, "level %d padded", d);
       CHECK(L.level_size[d] >= L.level_size[d - 1] * 1, "levels grow");
