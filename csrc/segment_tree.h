@@ -21,6 +21,16 @@
 
 #include <cstdint>
 
+// Host-only SSE2 (baseline x86-64, so no dispatch) version of the descent's child choice. It does
+// the same float64 operations in the same order as the portable code the GPU runs, vectorizing
+// only the comparisons, so its answers are bit-identical.
+#if !defined(__CUDACC__) && defined(__SSE2__)
+#define TR_HOST_SSE2 1
+#include <emmintrin.h>
+#else
+#define TR_HOST_SSE2 0
+#endif
+
 #if defined(__CUDACC__)
 #define TR_HD __host__ __device__ __forceinline__
 #define TR_UNROLL _Pragma("unroll")
@@ -148,7 +158,7 @@ TR_HD int highest_bit(unsigned mask) {
 // is what keeps an index >= capacity (or a dead leaf) from ever coming back, a known failure of
 // float32 trees. Only an empty node (which callers rule out) gives child 0.
 template <typename value_t>
-TR_HD int choose_child(const value_t* children, double& target) {
+TR_HD int choose_child_portable(const value_t* children, double& target) {
   double prefix[kArity + 1];
   prefix[0] = 0.0;
   unsigned live = 0;
@@ -170,6 +180,66 @@ TR_UNROLL
   const int c = highest_bit(live);
   target = static_cast<double>(children[c]);
   return c;
+}
+
+#if TR_HOST_SSE2
+// The 8 children as four (lo, hi) pairs of doubles.
+inline void load_pairs(const double* children, __m128d v[4]) {
+  for (int i = 0; i < 4; ++i) v[i] = _mm_loadu_pd(children + 2 * i);
+}
+
+inline void load_pairs(const float* children, __m128d v[4]) {
+  const __m128 lo = _mm_loadu_ps(children);
+  const __m128 hi = _mm_loadu_ps(children + 4);
+  v[0] = _mm_cvtps_pd(lo);
+  v[1] = _mm_cvtps_pd(_mm_movehl_ps(lo, lo));
+  v[2] = _mm_cvtps_pd(hi);
+  v[3] = _mm_cvtps_pd(_mm_movehl_ps(hi, hi));
+}
+
+inline double high_half(__m128d v) { return _mm_cvtsd_f64(_mm_unpackhi_pd(v, v)); }
+
+// choose_child_portable with the two masks built two lanes at a time.
+template <typename value_t>
+inline int choose_child_sse2(const value_t* children, double& target) {
+  __m128d v[4];
+  load_pairs(children, v);
+  double prefix[kArity + 1];
+  prefix[0] = 0.0;
+  for (int i = 0; i < 4; ++i) {
+    prefix[2 * i + 1] = prefix[2 * i] + _mm_cvtsd_f64(v[i]);
+    prefix[2 * i + 2] = prefix[2 * i + 1] + high_half(v[i]);
+  }
+  const __m128d zero = _mm_setzero_pd();
+  const __m128d t = _mm_set1_pd(target);
+  unsigned live = 0;
+  unsigned below = 0;
+  for (int i = 0; i < 4; ++i) {
+    live |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmpgt_pd(v[i], zero))) << (2 * i);
+    // Built from registers: a vector load of the two scalar stores would miss store forwarding.
+    const __m128d upper = _mm_set_pd(prefix[2 * i + 2], prefix[2 * i + 1]);
+    below |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmplt_pd(t, upper))) << (2 * i);
+  }
+  const unsigned hit = live & below;
+  if (hit != 0) {
+    const int c = lowest_bit(hit);
+    target -= prefix[c];
+    return c;
+  }
+  if (live == 0) return 0;
+  const int c = highest_bit(live);
+  target = static_cast<double>(children[c]);
+  return c;
+}
+#endif
+
+template <typename value_t>
+TR_HD int choose_child(const value_t* children, double& target) {
+#if TR_HOST_SSE2
+  return choose_child_sse2(children, target);
+#else
+  return choose_child_portable(children, target);
+#endif
 }
 
 // Map a uniform u in [0, 1) for sample k of a batch of n to a prefix-sum target in [0, total).

@@ -253,6 +253,37 @@ void test_large_updates_match_rebuild(int64_t capacity, uint32_t seed) {
   }
 }
 
+// The host's vectorized child choice must give the portable (GPU) one's child and target exactly:
+// groups with zeros, -0.0, denormals, huge and tiny values side by side, targets on and past every
+// prefix boundary.
+template <typename value_t>
+void test_choose_child_matches_portable(uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const double specials[] = {0.0, -0.0, 1e-310, 1e-30, 1.0, 3.0, 1e30, 1e300};
+  for (int r = 0; r < 200000; ++r) {
+    value_t children[kArity];
+    for (value_t& c : children) {
+      const uint64_t kind = rng() % 4;
+      c = kind == 0 ? static_cast<value_t>(specials[rng() % 8]) : static_cast<value_t>(unit(rng) * 4.0);
+    }
+    double prefix[kArity + 1] = {0.0};
+    for (int c = 0; c < kArity; ++c) prefix[c + 1] = prefix[c] + static_cast<double>(children[c]);
+    const uint64_t how = rng() % 4;
+    const double target = how == 0   ? prefix[rng() % (kArity + 1)]
+                          : how == 1 ? std::nextafter(prefix[rng() % (kArity + 1)], 0.0)
+                          : how == 2 ? prefix[kArity] * (1.0 + unit(rng) * 1e-15)
+                                     : unit(rng) * prefix[kArity];
+    double t_portable = target, t_host = target;
+    const int c_portable = choose_child_portable(children, t_portable);
+    const int c_host = choose_child(children, t_host);
+    const bool same_target = t_portable == t_host || (t_portable != t_portable && t_host != t_host);
+    CHECK(c_portable == c_host && same_target, "round %d: portable child %d target %.17g, host child %d target %.17g",
+          r, c_portable, t_portable, c_host, t_host);
+    if (c_portable != c_host || !same_target) return;
+  }
+}
+
 // Pieces of a threaded update must not share a node at or below the split level.
 void test_cut_stream_aligns_to_split_nodes() {
   const Layout L = make_layout(1 << 20);
@@ -296,6 +327,8 @@ int main() {
   test_large_updates_match_rebuild<double, TwoThreadFor>(300000, 10);
   test_large_updates_match_rebuild<float, TwoThreadFor>(2000, 11);
   test_cut_stream_aligns_to_split_nodes();
+  test_choose_child_matches_portable<float>(13);
+  test_choose_child_matches_portable<double>(14);
   test_rebuild_matches_updates();
   test_single_live_leaf_at_every_boundary();
   if (failures) {
