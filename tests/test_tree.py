@@ -197,6 +197,26 @@ def test_bad_input_raises_and_changes_nothing(call, error, match):
     assert t.total().item() == 3.0
 
 
+def test_cpu_fast_paths_match_the_checked_paths():
+    """sample(B, generator) and update(int64, same-dtype tensors) skip the Python checks on the CPU:
+    same draws, same tree, and the op's own checks still reject bad values."""
+    a, b = tr.SegmentTree(1000), tr.SegmentTree(1000)
+    prio = torch.rand(1000) + 0.1
+    a.update(torch.arange(1000), prio)  # fast path
+    b.update(list(range(1000)), prio.tolist())  # converted path
+    assert torch.equal(a._sums, b._sums) and torch.equal(a._mins, b._mins)
+    got = a.sample(64, generator=torch.Generator().manual_seed(3))
+    want = a.sample(u=torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(IndexError):
+        a.update(torch.tensor([5, 1000]), torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"priorities\[0\]"):
+        a.update(torch.tensor([5]), torch.tensor([float("nan")]))
+    with pytest.raises(ValueError, match="shape"):  # not the fast path: the full checks answer
+        a.update(torch.tensor([5, 6]), torch.tensor([1.0]))
+    assert torch.equal(a._sums, b._sums)
+
+
 def test_sampling_an_empty_tree_is_an_error():
     with pytest.raises(ValueError, match="empty"):
         tr.SegmentTree(10).sample(4)
