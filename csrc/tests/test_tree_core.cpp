@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/claim_pool.h"
 #include "cpu/tree_cpu.h"
 
 using namespace torchreplay::tree;
@@ -43,6 +44,14 @@ struct TwoThreadFor {
     std::thread t([&] { if (begin < mid) fn(begin, mid); });
     fn(mid, end);
     t.join();
+  }
+};
+
+// The claim pool the torch build uses, with 3 threads (so chunks outnumber a 2-way split).
+struct PoolFor {
+  template <typename Fn>
+  void operator()(int64_t begin, int64_t end, int64_t grain, Fn&& fn) const {
+    cpu::ClaimParallelFor{3}(begin, end, grain, fn);
   }
 };
 
@@ -309,6 +318,25 @@ void test_cut_stream_aligns_to_split_nodes() {
   }
 }
 
+// Every chunk runs exactly once, whatever mix of caller and helpers claims it, including calls
+// from several threads at once and thread counts that go up and down between calls.
+void test_claim_pool_runs_every_chunk_once() {
+  std::vector<std::thread> callers;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 3; ++t) {
+    callers.emplace_back([t, &bad] {
+      for (int r = 0; r < 300; ++r) {
+        const int64_t chunks = 1 + (r * 7 + t) % 40;
+        std::vector<std::atomic<int>> hits(static_cast<size_t>(chunks));
+        cpu::ClaimPool::instance().run(chunks, 1 + (r + t) % 3, [&](int64_t c) { hits[c].fetch_add(1); });
+        for (auto& h : hits) bad += h.load() != 1;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  CHECK(bad.load() == 0, "%d chunks ran other than once", bad.load());
+}
+
 }  // namespace
 
 int main() {
@@ -326,6 +354,9 @@ int main() {
   test_large_updates_match_rebuild<float, TwoThreadFor>((1 << 16) + 5, 9);
   test_large_updates_match_rebuild<double, TwoThreadFor>(300000, 10);
   test_large_updates_match_rebuild<float, TwoThreadFor>(2000, 11);
+  test_large_updates_match_rebuild<float, PoolFor>((1 << 18) + 1, 15);
+  for (int64_t cap : {100LL, 70000LL}) test_batched_sample_matches_descend<float, PoolFor>(cap, 16);
+  test_claim_pool_runs_every_chunk_once();
   test_cut_stream_aligns_to_split_nodes();
   test_choose_child_matches_portable<float>(13);
   test_choose_child_matches_portable<double>(14);
