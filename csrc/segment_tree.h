@@ -8,7 +8,9 @@
 // cache line, so a descent touches one line per level: 7 levels for 2^20 leaves instead of 20 for a
 // binary tree. Internal levels are stored top-down in one flat array; level d holds
 // ceil(capacity / K^(depth - d)) nodes, padded to a multiple of K so that every node's children can
-// be read as one full group without bounds checks (padding is zero). Leaves live in their own array
+// be read as one full group without bounds checks (padding is zero). The root level is padded too:
+// with every level starting at a multiple of K, each group of children sits in one cache line of a
+// 64-byte aligned array (a lone root slot put every group across two lines). Leaves live in their own array
 // (float32 or float64), padded to a multiple of K with zeros. A parallel `mins` array holds, for
 // every internal node, the minimum over the *live* (priority > 0) leaves below it, +inf if none.
 //
@@ -18,6 +20,16 @@
 #pragma once
 
 #include <cstdint>
+
+// Host-only SSE2 (baseline x86-64, so no dispatch) version of the descent's child choice. It does
+// the same float64 operations in the same order as the portable code the GPU runs, vectorizing
+// only the comparisons, so its answers are bit-identical.
+#if !defined(__CUDACC__) && defined(__SSE2__)
+#define TR_HOST_SSE2 1
+#include <emmintrin.h>
+#else
+#define TR_HOST_SSE2 0
+#endif
 
 #if defined(__CUDACC__)
 #define TR_HD __host__ __device__ __forceinline__
@@ -66,7 +78,7 @@ TR_HD Layout make_layout(int64_t capacity) {
     int64_t cover = 1;
     for (int i = 0; i < depth - d; ++i) cover *= kArity;
     int64_t nodes = ceil_div(capacity, cover);
-    int64_t stored = d == 0 ? 1 : round_up(nodes, kArity);
+    int64_t stored = round_up(nodes, kArity);
     L.level_offset[d] = offset;
     L.level_size[d] = stored;
     L.level_nodes[d] = nodes;
@@ -87,7 +99,8 @@ TR_HD int64_t cover_of_level(const Layout& L, int d) {
 TR_HD double positive_infinity() { return __builtin_huge_val(); }
 
 // Recompute internal node j of level d from its K children. Children are summed left to right in
-// float64, which fixes the rounding so every back end produces bit-identical sums.
+// float64 from 0.0, which fixes the rounding so every back end produces bit-identical sums, and makes
+// a node's stored sum equal to the last prefix choose_child computes over its children.
 template <typename scalar_t>
 TR_HD void recompute_node(const Layout& L, const scalar_t* leaves, double* sums, double* mins, int d,
                           int64_t j) {
@@ -114,26 +127,119 @@ TR_UNROLL
   mins[L.level_offset[d] + j] = lowest;
 }
 
+// Index of the lowest / highest set bit of a non-zero mask.
+TR_HD int lowest_bit(unsigned mask) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(static_cast<int>(mask)) - 1;
+#else
+  return __builtin_ctz(mask);
+#endif
+}
+
+TR_HD int highest_bit(unsigned mask) {
+#if defined(__CUDA_ARCH__)
+  return 31 - __clz(static_cast<int>(mask));
+#else
+  return 31 - __builtin_clz(mask);
+#endif
+}
+
 // Pick the child of a node whose prefix range contains `target`, and make `target` relative to it.
+//
+// The arithmetic is fixed so that every back end, and every CPU kernel (one sample at a time or a
+// sorted batch merged against the node), chooses the same child: the prefix sums P_c are summed
+// left to right from 0.0 exactly as recompute_node sums the node's total, the child is the first
+// live one with target < P_c, and the new target is target - P_(c-1), one rounding. The prefixes do
+// not depend on `target`, so the choice is a comparison mask rather than a chain of data-dependent
+// branches (a mispredicted branch per level was most of the CPU descent's time).
+//
 // A zero-priority child is never chosen, even when rounding pushes `target` to or past the node's
-// total: then the last child with positive mass is taken. This is what keeps an index >= capacity
-// (or a dead leaf) from ever coming back, a known failure of float32 trees.
+// total: then the last child with positive mass is taken and `target` becomes its whole mass. This
+// is what keeps an index >= capacity (or a dead leaf) from ever coming back, a known failure of
+// float32 trees. Only an empty node (which callers rule out) gives child 0.
 template <typename value_t>
-TR_HD int choose_child(const value_t* children, double& target) {
-  int last_positive = -1;
+TR_HD int choose_child_portable(const value_t* children, double& target) {
+  double prefix[kArity + 1];
+  prefix[0] = 0.0;
+  unsigned live = 0;
+  unsigned below = 0;
 TR_UNROLL
   for (int c = 0; c < kArity; ++c) {
-    double v = static_cast<double>(children[c]);
-    if (v > 0.0) {
-      if (target < v) return c;
-      last_positive = c;
-      target -= v;
-    }
+    const double v = static_cast<double>(children[c]);
+    prefix[c + 1] = prefix[c] + v;
+    live |= static_cast<unsigned>(v > 0.0) << c;
+    below |= static_cast<unsigned>(target < prefix[c + 1]) << c;
   }
-  // Rounding overshoot: stay inside the last live child. Its own descent then lands on its last
-  // live leaf. last_positive is -1 only when the node is empty, which callers rule out.
-  if (last_positive >= 0) target = static_cast<double>(children[last_positive]);
-  return last_positive < 0 ? 0 : last_positive;
+  const unsigned hit = live & below;
+  if (hit != 0) {
+    const int c = lowest_bit(hit);
+    target -= prefix[c];
+    return c;
+  }
+  if (live == 0) return 0;
+  const int c = highest_bit(live);
+  target = static_cast<double>(children[c]);
+  return c;
+}
+
+#if TR_HOST_SSE2
+// The 8 children as four (lo, hi) pairs of doubles.
+inline void load_pairs(const double* children, __m128d v[4]) {
+  for (int i = 0; i < 4; ++i) v[i] = _mm_loadu_pd(children + 2 * i);
+}
+
+inline void load_pairs(const float* children, __m128d v[4]) {
+  const __m128 lo = _mm_loadu_ps(children);
+  const __m128 hi = _mm_loadu_ps(children + 4);
+  v[0] = _mm_cvtps_pd(lo);
+  v[1] = _mm_cvtps_pd(_mm_movehl_ps(lo, lo));
+  v[2] = _mm_cvtps_pd(hi);
+  v[3] = _mm_cvtps_pd(_mm_movehl_ps(hi, hi));
+}
+
+inline double high_half(__m128d v) { return _mm_cvtsd_f64(_mm_unpackhi_pd(v, v)); }
+
+// choose_child_portable with the two masks built two lanes at a time.
+template <typename value_t>
+inline int choose_child_sse2(const value_t* children, double& target) {
+  __m128d v[4];
+  load_pairs(children, v);
+  double prefix[kArity + 1];
+  prefix[0] = 0.0;
+  for (int i = 0; i < 4; ++i) {
+    prefix[2 * i + 1] = prefix[2 * i] + _mm_cvtsd_f64(v[i]);
+    prefix[2 * i + 2] = prefix[2 * i + 1] + high_half(v[i]);
+  }
+  const __m128d zero = _mm_setzero_pd();
+  const __m128d t = _mm_set1_pd(target);
+  unsigned live = 0;
+  unsigned below = 0;
+  for (int i = 0; i < 4; ++i) {
+    live |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmpgt_pd(v[i], zero))) << (2 * i);
+    // Built from registers: a vector load of the two scalar stores would miss store forwarding.
+    const __m128d upper = _mm_set_pd(prefix[2 * i + 2], prefix[2 * i + 1]);
+    below |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmplt_pd(t, upper))) << (2 * i);
+  }
+  const unsigned hit = live & below;
+  if (hit != 0) {
+    const int c = lowest_bit(hit);
+    target -= prefix[c];
+    return c;
+  }
+  if (live == 0) return 0;
+  const int c = highest_bit(live);
+  target = static_cast<double>(children[c]);
+  return c;
+}
+#endif
+
+template <typename value_t>
+TR_HD int choose_child(const value_t* children, double& target) {
+#if TR_HOST_SSE2
+  return choose_child_sse2(children, target);
+#else
+  return choose_child_portable(children, target);
+#endif
 }
 
 // Map a uniform u in [0, 1) for sample k of a batch of n to a prefix-sum target in [0, total).

@@ -197,6 +197,59 @@ def test_bad_input_raises_and_changes_nothing(call, error, match):
     assert t.total().item() == 3.0
 
 
+def test_cpu_fast_paths_match_the_checked_paths():
+    """sample(B, generator) and update(int64, same-dtype tensors) skip the Python checks on the CPU:
+    same draws, same tree, and the op's own checks still reject bad values."""
+    a, b = tr.SegmentTree(1000), tr.SegmentTree(1000)
+    prio = torch.rand(1000) + 0.1
+    a.update(torch.arange(1000), prio)  # fast path
+    b.update(list(range(1000)), prio.tolist())  # converted path
+    assert torch.equal(a._sums, b._sums) and torch.equal(a._mins, b._mins)
+    got = a.sample(64, generator=torch.Generator().manual_seed(3))
+    want = a.sample(u=torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(IndexError):
+        a.update(torch.tensor([5, 1000]), torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"priorities\[0\]"):
+        a.update(torch.tensor([5]), torch.tensor([float("nan")]))
+    with pytest.raises(ValueError, match="shape"):  # not the fast path: the full checks answer
+        a.update(torch.tensor([5, 6]), torch.tensor([1.0]))
+    assert torch.equal(a._sums, b._sums)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threaded_batches_match_one_thread_and_a_rebuild(dtype):
+    """Batches big enough to be cut into chunks give, on 2 threads, exactly the 1-thread results,
+    and the tree a rebuild from the same leaves gives (sorted sampled indices and random ones)."""
+    before = torch.get_num_threads()
+    trees = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            g = torch.Generator().manual_seed(7)
+            t = tr.SegmentTree((1 << 16) + 3, dtype=dtype)
+            t.update(torch.arange(t.capacity), torch.rand(t.capacity, generator=g, dtype=dtype))
+            draws = []
+            for step in range(6):
+                idx, _ = t.sample(20000, generator=g)
+                draws.append(idx)
+                if step % 2:
+                    idx = torch.randint(0, t.capacity, (30000,), generator=g)
+                prio = torch.rand(idx.numel(), generator=g, dtype=dtype)
+                prio[::7] = 0
+                t.update(idx, prio)
+            trees[threads] = (t, draws)
+    finally:
+        torch.set_num_threads(before)
+    (one, draws1), (two, draws2) = trees[1], trees[2]
+    assert all(torch.equal(a, b) for a, b in zip(draws1, draws2))
+    assert torch.equal(one._leaves, two._leaves)
+    assert torch.equal(one._sums, two._sums) and torch.equal(one._mins, two._mins)
+    rebuilt = tr.SegmentTree(one.capacity, dtype=dtype)
+    rebuilt.load_state_dict(one.state_dict())
+    assert torch.equal(rebuilt._sums, one._sums) and torch.equal(rebuilt._mins, one._mins)
+
+
 def test_sampling_an_empty_tree_is_an_error():
     with pytest.raises(ValueError, match="empty"):
         tr.SegmentTree(10).sample(4)

@@ -10,6 +10,9 @@ import torch
 from torchreplay._ops import ops
 
 _ARITY = 8
+# The overloads themselves: calling them skips the packet's overload resolution on every call.
+_tree_update = ops.tree_update.default
+_tree_sample = ops.tree_sample.default
 
 
 def _layout(capacity: int) -> tuple[int, int]:
@@ -22,7 +25,7 @@ def _layout(capacity: int) -> tuple[int, int]:
     for d in range(depth):
         cover = _ARITY ** (depth - d)
         nodes = -(-capacity // cover)
-        internal += 1 if d == 0 else -(-nodes // _ARITY) * _ARITY
+        internal += -(-nodes // _ARITY) * _ARITY
     return -(-capacity // _ARITY) * _ARITY, internal
 
 
@@ -40,6 +43,8 @@ class SegmentTree:
     guarantees valid input can pass `validate=False`. The CUDA kernels skip invalid entries, so
     they stay memory-safe either way.
     """
+
+    _on_cpu = False  # set per instance; an instance unpickled from before it existed takes the slow paths
 
     def __init__(
         self,
@@ -62,6 +67,7 @@ class SegmentTree:
         self._leaves = torch.zeros(padded, dtype=dtype, device=device)
         self._sums = torch.zeros(internal, dtype=torch.float64, device=device)
         self._mins = torch.full((internal,), math.inf, dtype=torch.float64, device=device)
+        self._on_cpu = device.type == "cpu"
 
     @property
     def _check_values_here(self) -> bool:
@@ -130,9 +136,25 @@ class SegmentTree:
     # ------------------------------------------------------------------ operations
     def update(self, indices: Any, priorities: Any) -> None:
         """Set leaf priorities. For a repeated index the last occurrence wins."""
+        # Fast path for what a training loop passes (sampled indices, a priority tensor): on the CPU
+        # the op checks values itself, so only the metadata the op would reject with a less helpful
+        # message is looked at here; anything else takes the full conversion below.
+        if (
+            self._on_cpu
+            and type(indices) is torch.Tensor
+            and type(priorities) is torch.Tensor
+            and indices.dtype is torch.int64
+            and priorities.dtype is self.dtype
+            and indices.is_cpu
+            and priorities.is_cpu
+            and indices.dim() == 1
+            and priorities.shape == indices.shape
+        ):
+            _tree_update(self._leaves, self._sums, self._mins, indices, priorities, self.capacity)
+            return
         indices = self._as_indices(indices)
         priorities = self._as_priorities(priorities, indices.numel())
-        ops.tree_update(self._leaves, self._sums, self._mins, indices, priorities, self.capacity)
+        _tree_update(self._leaves, self._sums, self._mins, indices, priorities, self.capacity)
 
     def sample(
         self,
@@ -147,6 +169,10 @@ class SegmentTree:
         uniforms `u` in [0, 1) themselves. Stratified: sample k uses (k + u_k) / B, so the batch
         covers the whole range evenly and comes back sorted by index.
         """
+        if u is None and self._on_cpu and type(batch_size) is int and batch_size >= 0:
+            # The common CPU call: the op validates the tree and `u` itself.
+            u = torch.rand(batch_size, dtype=torch.float64, generator=generator)
+            return _tree_sample(self._leaves, self._sums, u, self.capacity, stratified)
         if u is None:
             if batch_size is None:
                 raise ValueError("sample needs batch_size or u")
@@ -169,7 +195,7 @@ class SegmentTree:
                 raise ValueError("u must lie in [0, 1)")
         if self._check_values_here and u.numel() and not bool(self.total() > 0):
             raise ValueError("cannot sample from an empty tree: every priority is 0")
-        return ops.tree_sample(self._leaves, self._sums, u, self.capacity, stratified)
+        return _tree_sample(self._leaves, self._sums, u, self.capacity, stratified)
 
     def total(self) -> torch.Tensor:
         """Sum of all priorities, a float64 0-dim tensor on the tree's device."""
@@ -218,6 +244,7 @@ class SegmentTree:
         self._leaves = self._leaves.to(device)
         self._sums = self._sums.to(device)
         self._mins = self._mins.to(device)
+        self._on_cpu = device.type == "cpu"
         return self
 
     def __repr__(self) -> str:

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../segment_tree.h"
@@ -24,92 +25,239 @@ void rebuild(const Layout& L, scalar_t* leaves, double* sums, double* mins, Para
   }
 }
 
+// Recomputes the ancestors of a sorted stream of touched bottom-level nodes, each exactly once and
+// only after all of its touched children: a node is finished when the stream moves past it, which
+// for sorted input means none of its children can come again. One pass, no per-level node lists,
+// and a parent is recomputed while its just-written children are still in L1.
+// Levels above `top` are left to the caller (they may be shared with another chunk of the stream).
+template <typename scalar_t>
+class Propagator {
+ public:
+  Propagator(const Layout& L, const scalar_t* leaves, double* sums, double* mins, int top)
+      : L_(L), leaves_(leaves), sums_(sums), mins_(mins), top_(top) {
+    for (int d = 0; d < kMaxDepth; ++d) pending_[d] = -1;
+  }
+
+  void touch_bottom(int64_t node) {
+    const int bottom = L_.depth - 1;
+    if (node == pending_[bottom]) return;
+    if (pending_[bottom] >= 0) finish(bottom);
+    pending_[bottom] = node;
+  }
+
+  void drain() {
+    for (int d = L_.depth - 1; d >= top_; --d) {
+      if (pending_[d] >= 0) finish(d);
+    }
+  }
+
+ private:
+  void finish(int d) {
+    recompute_node(L_, leaves_, sums_, mins_, d, pending_[d]);
+    if (d > top_) {
+      const int64_t parent = pending_[d] / kArity;
+      if (pending_[d - 1] != parent) {
+        if (pending_[d - 1] >= 0) finish(d - 1);
+        pending_[d - 1] = parent;
+      }
+    }
+    pending_[d] = -1;
+  }
+
+  const Layout& L_;
+  const scalar_t* leaves_;
+  double* sums_;
+  double* mins_;
+  int top_;
+  int64_t pending_[kMaxDepth];
+};
+
+// Below this many touched nodes an update runs as one stream: splitting costs the serial recompute
+// of the shared top levels and a thread hand-off, worth it only for a few thousand nodes per chunk.
+constexpr int64_t kUpdateChunkMin = 1024;
+constexpr int64_t kUpdateMaxChunks = 16;
+
+// Cuts a sorted stream of `count` keys into up to `chunks` pieces of similar size, each cut moved
+// forward to where the level-`split` ancestor changes, so no node at or below that level is touched
+// by two pieces: that is what lets the pieces run on different threads. cut has chunks + 1 entries;
+// pieces may be empty.
+inline void cut_stream(const Layout& L, const int64_t* keys, int64_t count, int64_t key_span, int split,
+                       int64_t chunks, int64_t* cut) {
+  const int64_t cover = cover_of_level(L, split);
+  cut[0] = 0;
+  for (int64_t c = 1; c < chunks; ++c) {
+    int64_t at = std::max(cut[c - 1], c * count / chunks);
+    while (at > 0 && at < count && keys[at] * key_span / cover == keys[at - 1] * key_span / cover) ++at;
+    cut[c] = at;
+  }
+  cut[chunks] = count;
+}
+
 // Batched update. Leaves are written in input order, so for duplicate indices the last occurrence
-// wins. Then the touched ancestors are recomputed level by level from sorted, de-duplicated node
-// lists: each node once, in ascending memory order, and disjoint between threads.
-// Inputs must be valid (checked by the caller).
+// wins. Then every touched ancestor is recomputed once, from a sorted stream of touched bottom
+// nodes: stratified samples come back sorted, so sample-then-update streams the indices themselves
+// (and writes the leaves on the way); otherwise the bottom nodes are sorted and de-duplicated
+// first, through a bitmap when the batch is large next to the tree (O(n + nodes)), else a sort.
+//
+// A long stream is cut into chunks at boundaries of level-`split` nodes, so that below that level
+// no node is shared between chunks and the chunks run in parallel; the few nodes above it are then
+// recomputed serially. Inputs must be valid (checked by the caller).
 template <typename scalar_t, typename ParallelFor>
 void update(const Layout& L, scalar_t* leaves, double* sums, double* mins, const int64_t* indices,
             const scalar_t* priorities, int64_t n, ParallelFor&& parallel_for) {
   if (n == 0) return;
-  for (int64_t i = 0; i < n; ++i) leaves[indices[i]] = priorities[i];
-
-  // The bottom internal level's touched nodes, sorted and unique, found the cheapest way:
-  // stratified samples come back sorted (sample-then-update needs no sort at all); a batch that is
-  // large next to the tree is bucketed through a bitmap, O(n + nodes); otherwise sorted.
   const int bottom = L.depth - 1;
+  const bool sorted = std::is_sorted(indices, indices + n);
+
+  // keys[i] * key_span / cover(d) is the level-d ancestor of stream entry i.
+  const int64_t* keys = indices;
+  int64_t count = n;
+  int64_t key_span = 1;
   std::vector<int64_t> nodes;
-  nodes.reserve(static_cast<size_t>(std::min<int64_t>(n, L.level_nodes[bottom])));
-  if (std::is_sorted(indices, indices + n)) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t parent = indices[i] / kArity;
-      if (nodes.empty() || nodes.back() != parent) nodes.push_back(parent);
-    }
-  } else if (L.level_nodes[bottom] <= 32 * n) {
-    std::vector<uint8_t> touched(static_cast<size_t>(L.level_nodes[bottom]), 0);
-    for (int64_t i = 0; i < n; ++i) touched[indices[i] / kArity] = 1;
-    for (int64_t j = 0; j < L.level_nodes[bottom]; ++j) {
-      if (touched[j]) nodes.push_back(j);
-    }
-  } else {
-    nodes.assign(indices, indices + n);
-    std::sort(nodes.begin(), nodes.end());
-    int64_t unique = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t parent = nodes[i] / kArity;
-      if (unique == 0 || nodes[unique - 1] != parent) nodes[unique++] = parent;
-    }
-    nodes.resize(unique);
-  }
-  for (int d = bottom; d >= 0; --d) {
-    if (d < bottom) {
-      // Children -> parents keeps the list sorted; adjacent de-duplication is then exact.
-      int64_t unique = 0;
-      for (int64_t i = 0; i < static_cast<int64_t>(nodes.size()); ++i) {
-        const int64_t parent = nodes[i] / kArity;
-        if (unique == 0 || nodes[unique - 1] != parent) nodes[unique++] = parent;
+  if (!sorted) {
+    for (int64_t i = 0; i < n; ++i) leaves[indices[i]] = priorities[i];
+    nodes.reserve(static_cast<size_t>(std::min<int64_t>(n, L.level_nodes[bottom])));
+    if (L.level_nodes[bottom] <= 32 * n) {
+      std::vector<uint8_t> touched(static_cast<size_t>(L.level_nodes[bottom]), 0);
+      for (int64_t i = 0; i < n; ++i) touched[indices[i] / kArity] = 1;
+      for (int64_t j = 0; j < L.level_nodes[bottom]; ++j) {
+        if (touched[j]) nodes.push_back(j);
       }
-      nodes.resize(unique);
+    } else {
+      nodes.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) nodes[i] = indices[i] / kArity;
+      std::sort(nodes.begin(), nodes.end());
+      nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
     }
-    const int64_t count = static_cast<int64_t>(nodes.size());
-    parallel_for(0, count, 2048, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) recompute_node(L, leaves, sums, mins, d, nodes[i]);
-    });
+    keys = nodes.data();
+    count = static_cast<int64_t>(nodes.size());
+    key_span = kArity;
+  }
+
+  auto stream = [&](int64_t begin, int64_t end, int top) {
+    Propagator<scalar_t> prop(L, leaves, sums, mins, top);
+    if (sorted) {
+      for (int64_t i = begin; i < end; ++i) {
+        leaves[keys[i]] = priorities[i];
+        prop.touch_bottom(keys[i] / kArity);
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) prop.touch_bottom(keys[i]);
+    }
+    prop.drain();
+  };
+
+  // The split level: the coarsest with enough nodes (16 per chunk) for balanced cuts.
+  int64_t chunks = std::min(kUpdateMaxChunks, count / kUpdateChunkMin);
+  int split = -1;
+  if (chunks >= 2) {
+    for (int d = 1; d < L.depth; ++d) {
+      if (L.level_nodes[d] >= 16 * chunks) {
+        split = d;
+        break;
+      }
+    }
+  }
+  if (split < 0) {
+    stream(0, count, 0);
+    return;
+  }
+
+  int64_t cut[kUpdateMaxChunks + 1];
+  cut_stream(L, keys, count, key_span, split, chunks, cut);
+  parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      if (cut[c] < cut[c + 1]) stream(cut[c], cut[c + 1], split);
+    }
+  });
+  // Above the split level every live node is recomputed: fewer than 16 * chunks of them.
+  for (int d = split - 1; d >= 0; --d) {
+    for (int64_t j = 0; j < L.level_nodes[d]; ++j) recompute_node(L, leaves, sums, mins, d, j);
   }
 }
 
-// Sample n leaves from uniforms u (validated by the caller; the tree must be non-empty).
-// Descents are interleaved in small groups, level by level, with the next level's node prefetched,
-// so the memory latency of one descent hides behind the arithmetic of the others.
+// Sampling descends level by level over a block of samples at once (level-synchronous), not one
+// sample root to leaf at a time: the per-sample work at a level is independent, so the out-of-order
+// core and a software prefetch overlap the cache misses of many samples. Sorted targets (always the
+// case for stratified sampling) go further: the samples sharing a node are adjacent, and a run of
+// at least kMergeRun of them is merged against the node's prefix sums in one O(K + run) pass, so the
+// top levels, where every sample shares a handful of nodes, cost almost nothing.
+constexpr int64_t kSampleBlock = 8192;
+constexpr int64_t kMergeRun = 6;
+constexpr int64_t kPrefetchAhead = 16;
+
+// All samples of a sorted run share `parent` and have non-decreasing targets, except for a tail
+// of overshoot targets that all sit at or past the node's total. choose_child of each of them is
+// then non-decreasing along the run, which is what makes this merge give exactly its answers.
+template <typename value_t>
+void merge_run(const value_t* children, int64_t parent, double* target, int64_t* node, int64_t m) {
+  double prefix = 0.0;
+  int64_t j = 0;
+  int last = -1;
+  for (int c = 0; c < kArity; ++c) {
+    const double v = static_cast<double>(children[c]);
+    const double before = prefix;
+    prefix += v;
+    if (!(v > 0.0)) continue;
+    last = c;
+    while (j < m && target[j] < prefix) {
+      target[j] -= before;
+      node[j] = parent * kArity + c;
+      ++j;
+    }
+  }
+  // Rounding overshoot, as in choose_child.
+  for (; j < m; ++j) {
+    if (last >= 0) target[j] = static_cast<double>(children[last]);
+    node[j] = parent * kArity + (last < 0 ? 0 : last);
+  }
+}
+
+// One level of the descent: node[k] (a node of this level's parents) becomes its chosen child,
+// read from `level`, the flat array of those children.
+template <typename value_t>
+void descend_level(const value_t* level, double* target, int64_t* node, int64_t m, int64_t merge_run_min) {
+  int64_t k = 0;
+  while (k < m) {
+    const int64_t parent = node[k];
+    if (k + kPrefetchAhead < m) __builtin_prefetch(level + node[k + kPrefetchAhead] * kArity);
+    const value_t* children = level + parent * kArity;
+    int64_t e = k + 1;
+    while (e < m && e - k < merge_run_min && node[e] == parent) ++e;
+    if (e - k < merge_run_min) {
+      for (; k < e; ++k) node[k] = parent * kArity + choose_child(children, target[k]);
+      continue;
+    }
+    while (e < m && node[e] == parent) ++e;
+    merge_run(children, parent, target + k, node + k, e - k);
+    k = e;
+  }
+}
+
+// Sample n leaves from uniforms u (validated by the caller; the tree must be non-empty). Returns,
+// sample for sample, what descend() returns for sample_target(u[k], k, n, stratified, sums[0]).
 template <typename scalar_t, typename ParallelFor>
 void sample(const Layout& L, const scalar_t* leaves, const double* sums, const double* u, int64_t n,
             bool stratified, int64_t* out_indices, scalar_t* out_priorities, ParallelFor&& parallel_for) {
   const double total = sums[0];
-  constexpr int kGroup = 16;
   parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t g0 = begin; g0 < end; g0 += kGroup) {
-      const int width = static_cast<int>(std::min<int64_t>(kGroup, end - g0));
-      double target[kGroup];
-      int64_t node[kGroup];
-      for (int g = 0; g < width; ++g) {
-        target[g] = sample_target(u[g0 + g], g0 + g, n, stratified, total);
-        node[g] = 0;
+    thread_local std::vector<double> scratch;
+    if (scratch.size() < static_cast<size_t>(kSampleBlock)) scratch.resize(static_cast<size_t>(kSampleBlock));
+    double* target = scratch.data();
+    for (int64_t b0 = begin; b0 < end; b0 += kSampleBlock) {
+      const int64_t m = std::min(kSampleBlock, end - b0);
+      int64_t* node = out_indices + b0;
+      bool ascending = true;
+      for (int64_t k = 0; k < m; ++k) {
+        target[k] = sample_target(u[b0 + k], b0 + k, n, stratified, total);
+        node[k] = 0;
+        ascending &= k == 0 || target[k - 1] <= target[k];
       }
-      for (int d = 1; d < L.depth; ++d) {
-        const double* level = sums + L.level_offset[d];
-        for (int g = 0; g < width; ++g) {
-          const double* children = level + node[g] * kArity;
-          node[g] = node[g] * kArity + choose_child(children, target[g]);
-          const void* next = d + 1 < L.depth ? static_cast<const void*>(sums + L.level_offset[d + 1] + node[g] * kArity)
-                                             : static_cast<const void*>(leaves + node[g] * kArity);
-          __builtin_prefetch(next);
-        }
-      }
-      for (int g = 0; g < width; ++g) {
-        const int64_t leaf = node[g] * kArity + choose_child(leaves + node[g] * kArity, target[g]);
-        out_indices[g0 + g] = leaf;
-        out_priorities[g0 + g] = leaves[leaf];
-      }
+      // Unsorted targets (plain, non-stratified u) descend one by one, still level-synchronously.
+      const int64_t merge_min = ascending ? kMergeRun : std::numeric_limits<int64_t>::max();
+      for (int d = 0; d + 1 < L.depth; ++d) descend_level(sums + L.level_offset[d + 1], target, node, m, merge_min);
+      descend_level(leaves, target, node, m, merge_min);
+      for (int64_t k = 0; k < m; ++k) out_priorities[b0 + k] = leaves[node[k]];
     }
   });
 }

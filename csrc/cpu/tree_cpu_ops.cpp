@@ -1,21 +1,18 @@
 // CPU implementations of the torchreplay tree ops: argument checks, then the torch-free kernels in
-// tree_cpu.h run on ATen's intra-op thread pool. Every check runs before any write, so a rejected
-// call leaves the tree unchanged.
+// tree_cpu.h, on as many threads as torch's intra-op setting (torch.set_num_threads) allows, through
+// claim_pool.h rather than at::parallel_for (why: see there). Every check runs before any write, so
+// a rejected call leaves the tree unchanged.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "../tree_checks.h"
+#include "claim_pool.h"
 #include "tree_cpu.h"
 
 namespace torchreplay {
 namespace {
 
-struct AtenParallelFor {
-  template <typename Fn>
-  void operator()(int64_t begin, int64_t end, int64_t grain, Fn&& fn) const {
-    at::parallel_for(begin, end, grain, fn);
-  }
-};
+tree::cpu::ClaimParallelFor threads_for_call() { return tree::cpu::ClaimParallelFor{at::get_num_threads()}; }
 
 void check_index_values(const at::Tensor& indices, int64_t capacity) {
   const int64_t* idx = indices.data_ptr<int64_t>();
@@ -47,7 +44,7 @@ void tree_update_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, con
     check_priority_values<scalar_t>(priorities);
     tree::cpu::update(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), mins.data_ptr<double>(),
                       indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), indices.numel(),
-                      AtenParallelFor{});
+                      threads_for_call());
   });
 }
 
@@ -69,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, con
   const tree::Layout L = tree::make_layout(capacity);
   AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_cpu", [&] {
     tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), uv, n, stratified,
-                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), AtenParallelFor{});
+                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), threads_for_call());
   });
   return {indices, priorities};
 }
@@ -89,7 +86,7 @@ void tree_rebuild_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, in
   AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_rebuild_cpu", [&] {
     check_priority_values<scalar_t>(leaves);
     tree::cpu::rebuild(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), mins.data_ptr<double>(),
-                       AtenParallelFor{});
+                       threads_for_call());
   });
 }
 

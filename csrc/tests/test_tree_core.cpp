@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/claim_pool.h"
 #include "cpu/tree_cpu.h"
 
 using namespace torchreplay::tree;
@@ -46,6 +47,14 @@ struct TwoThreadFor {
   }
 };
 
+// The claim pool the torch build uses, with 3 threads (so chunks outnumber a 2-way split).
+struct PoolFor {
+  template <typename Fn>
+  void operator()(int64_t begin, int64_t end, int64_t grain, Fn&& fn) const {
+    cpu::ClaimParallelFor{3}(begin, end, grain, fn);
+  }
+};
+
 template <typename scalar_t>
 struct Tree {
   Layout L;
@@ -76,7 +85,8 @@ void test_layout() {
     Layout L = make_layout(cap);
     CHECK(L.padded_leaves >= cap && L.padded_leaves % kArity == 0, "cap=%lld", (long long)cap);
     CHECK(cover_of_level(L, 0) >= cap, "root must cover every leaf, cap=%lld", (long long)cap);
-    CHECK(L.level_size[0] == 1, "single root");
+    CHECK(L.level_nodes[0] == 1 && L.level_size[0] == kArity, "one root, padded to a group");
+    for (int d = 0; d <= L.depth; ++d) CHECK(L.level_offset[d] % kArity == 0, "level %d starts a group", d);
     for (int d = 1; d < L.depth; ++d) {
       CHECK(L.level_size[d] % kArity == 0, "level %d padded", d);
       CHECK(L.level_size[d] >= L.level_size[d - 1] * 1, "levels grow");
@@ -171,6 +181,162 @@ void test_single_live_leaf_at_every_boundary() {
   }
 }
 
+
+// The level-synchronous sampler (merged runs, blocks, thread chunks) must return, sample for
+// sample, what the one-at-a-time descend() returns (the CUDA kernel's path). Priorities spread
+// over 60 orders of magnitude, with dead runs, make the prefix sums round hard, so targets land on
+// rounding edges and in the overshoot fallback too.
+template <typename scalar_t, typename For>
+void test_batched_sample_matches_descend(int64_t capacity, uint32_t seed) {
+  Tree<scalar_t> t(capacity);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<int64_t> idx(capacity);
+  std::vector<scalar_t> pr(capacity);
+  for (int64_t i = 0; i < capacity; ++i) {
+    idx[i] = i;
+    const uint64_t kind = rng() % 8;
+    const bool dead_run = (i / 37) % 5 == 0;
+    pr[i] = dead_run || kind == 0 ? scalar_t(0)
+            : kind == 1           ? static_cast<scalar_t>(1e-30)
+            : kind == 2           ? static_cast<scalar_t>(1e30)
+                                  : static_cast<scalar_t>(unit(rng) * 10.0);
+  }
+  cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), capacity, SerialFor{});
+  if (!(t.sums[0] > 0)) return;
+  for (int64_t B : {1LL, 7LL, 33LL, 1000LL, 20000LL}) {
+    for (bool stratified : {true, false}) {
+      std::vector<double> u(B);
+      for (double& x : u) x = unit(rng);
+      u[0] = 0.0;
+      u[B - 1] = std::nextafter(1.0, 0.0);
+      if (!stratified && B > 2) std::sort(u.begin(), u.begin() + B / 2);  // a sorted half, an unsorted half
+      std::vector<int64_t> out(B);
+      std::vector<scalar_t> outp(B);
+      cpu::sample(t.L, t.leaves.data(), t.sums.data(), u.data(), B, stratified, out.data(), outp.data(), For{});
+      int bad = 0;
+      for (int64_t k = 0; k < B && bad < 5; ++k) {
+        const int64_t want = descend(t.L, t.leaves.data(), t.sums.data(), sample_target(u[k], k, B, stratified, t.sums[0]));
+        const bool ok = out[k] == want && out[k] >= 0 && out[k] < capacity && t.leaves[out[k]] > 0 &&
+                        outp[k] == t.leaves[out[k]];
+        CHECK(ok, "cap %lld B %lld stratified %d sample %lld: batched %lld, descend %lld", (long long)capacity,
+              (long long)B, stratified, (long long)k, (long long)out[k], (long long)want);
+        bad += !ok;
+      }
+    }
+  }
+}
+
+// Chunked, threaded updates (sorted sampled indices and unsorted ones with duplicates) must leave
+// exactly the tree that a rebuild from the same leaves gives: last occurrence wins, every touched
+// ancestor recomputed, bit for bit.
+template <typename scalar_t, typename For>
+void test_large_updates_match_rebuild(int64_t capacity, uint32_t seed) {
+  Tree<scalar_t> t(capacity), ref(capacity);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::uniform_int_distribution<int64_t> pick(0, capacity - 1);
+  for (int r = 0; r < 12; ++r) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 40000);
+    std::vector<int64_t> idx(n);
+    std::vector<scalar_t> pr(n);
+    const int shape = r % 4;  // 0: sampled (sorted), 1: random, 2: sorted with duplicates, 3: one narrow range
+    if (shape == 0 && t.sums[0] > 0) {
+      std::vector<double> u(n);
+      for (double& x : u) x = unit(rng);
+      std::vector<scalar_t> unused(n);
+      cpu::sample(t.L, t.leaves.data(), t.sums.data(), u.data(), n, true, idx.data(), unused.data(), For{});
+    } else {
+      const int64_t lo = shape == 3 ? pick(rng) : 0;
+      const int64_t width = shape == 3 ? std::min<int64_t>(capacity - lo, 700) : capacity;
+      for (int64_t& i : idx) i = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(width));
+      if (shape == 2) std::sort(idx.begin(), idx.end());
+    }
+    for (scalar_t& p : pr) p = rng() % 6 == 0 ? scalar_t(0) : static_cast<scalar_t>(unit(rng) * 3.0);
+    cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), n, For{});
+    for (int64_t i = 0; i < n; ++i) ref.leaves[idx[i]] = pr[i];
+    cpu::rebuild(ref.L, ref.leaves.data(), ref.sums.data(), ref.mins.data(), SerialFor{});
+    CHECK(t.leaves == ref.leaves, "cap %lld round %d (n %lld): leaves", (long long)capacity, r, (long long)n);
+    CHECK(t.sums == ref.sums, "cap %lld round %d (n %lld): sums", (long long)capacity, r, (long long)n);
+    CHECK(t.mins == ref.mins, "cap %lld round %d (n %lld): mins", (long long)capacity, r, (long long)n);
+  }
+}
+
+// The host's vectorized child choice must give the portable (GPU) one's child and target exactly:
+// groups with zeros, -0.0, denormals, huge and tiny values side by side, targets on and past every
+// prefix boundary.
+template <typename value_t>
+void test_choose_child_matches_portable(uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const double specials[] = {0.0, -0.0, 1e-310, 1e-30, 1.0, 3.0, 1e30, 1e300};
+  for (int r = 0; r < 200000; ++r) {
+    value_t children[kArity];
+    for (value_t& c : children) {
+      const uint64_t kind = rng() % 4;
+      c = kind == 0 ? static_cast<value_t>(specials[rng() % 8]) : static_cast<value_t>(unit(rng) * 4.0);
+    }
+    double prefix[kArity + 1] = {0.0};
+    for (int c = 0; c < kArity; ++c) prefix[c + 1] = prefix[c] + static_cast<double>(children[c]);
+    const uint64_t how = rng() % 4;
+    const double target = how == 0   ? prefix[rng() % (kArity + 1)]
+                          : how == 1 ? std::nextafter(prefix[rng() % (kArity + 1)], 0.0)
+                          : how == 2 ? prefix[kArity] * (1.0 + unit(rng) * 1e-15)
+                                     : unit(rng) * prefix[kArity];
+    double t_portable = target, t_host = target;
+    const int c_portable = choose_child_portable(children, t_portable);
+    const int c_host = choose_child(children, t_host);
+    const bool same_target = t_portable == t_host || (t_portable != t_portable && t_host != t_host);
+    CHECK(c_portable == c_host && same_target, "round %d: portable child %d target %.17g, host child %d target %.17g",
+          r, c_portable, t_portable, c_host, t_host);
+    if (c_portable != c_host || !same_target) return;
+  }
+}
+
+// Pieces of a threaded update must not share a node at or below the split level.
+void test_cut_stream_aligns_to_split_nodes() {
+  const Layout L = make_layout(1 << 20);
+  std::mt19937_64 rng(12);
+  for (int r = 0; r < 50; ++r) {
+    const int64_t count = 1 + static_cast<int64_t>(rng() % 50000);
+    std::vector<int64_t> keys(count);
+    const int64_t width = r % 3 == 0 ? 5000 : L.capacity;  // clustered keys force long moves
+    for (int64_t& k : keys) k = static_cast<int64_t>(rng() % static_cast<uint64_t>(width));
+    std::sort(keys.begin(), keys.end());
+    for (int split = 1; split < L.depth; ++split) {
+      const int64_t chunks = 1 + static_cast<int64_t>(rng() % cpu::kUpdateMaxChunks);
+      int64_t cut[cpu::kUpdateMaxChunks + 1];
+      cpu::cut_stream(L, keys.data(), count, 1, split, chunks, cut);
+      const int64_t cover = cover_of_level(L, split);
+      CHECK(cut[0] == 0 && cut[chunks] == count, "cuts span the stream");
+      for (int64_t c = 1; c < chunks; ++c) {
+        CHECK(cut[c] >= cut[c - 1], "cuts ascend");
+        CHECK(cut[c] == 0 || cut[c] == count || keys[cut[c]] / cover != keys[cut[c] - 1] / cover,
+              "cut %lld of %lld at split %d splits a node", (long long)c, (long long)chunks, split);
+      }
+    }
+  }
+}
+
+// Every chunk runs exactly once, whatever mix of caller and helpers claims it, including calls
+// from several threads at once and thread counts that go up and down between calls.
+void test_claim_pool_runs_every_chunk_once() {
+  std::vector<std::thread> callers;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 3; ++t) {
+    callers.emplace_back([t, &bad] {
+      for (int r = 0; r < 300; ++r) {
+        const int64_t chunks = 1 + (r * 7 + t) % 40;
+        std::vector<std::atomic<int>> hits(static_cast<size_t>(chunks));
+        cpu::ClaimPool::instance().run(chunks, 1 + (r + t) % 3, [&](int64_t c) { hits[c].fetch_add(1); });
+        for (auto& h : hits) bad += h.load() != 1;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  CHECK(bad.load() == 0, "%d chunks ran other than once", bad.load());
+}
+
 }  // namespace
 
 int main() {
@@ -180,6 +346,20 @@ int main() {
   test_update_sample<double, SerialFor>(100, 200, 3);
   test_update_sample<float, TwoThreadFor>(5000, 100, 4);
   test_update_sample<double, TwoThreadFor>(70000, 20, 5);
+  for (int64_t cap : {1LL, 9LL, 100LL, 5000LL, 70000LL, 1LL << 18}) {
+    test_batched_sample_matches_descend<float, SerialFor>(cap, 6);
+    test_batched_sample_matches_descend<double, TwoThreadFor>(cap, 7);
+  }
+  test_large_updates_match_rebuild<float, SerialFor>(1 << 16, 8);
+  test_large_updates_match_rebuild<float, TwoThreadFor>((1 << 16) + 5, 9);
+  test_large_updates_match_rebuild<double, TwoThreadFor>(300000, 10);
+  test_large_updates_match_rebuild<float, TwoThreadFor>(2000, 11);
+  test_large_updates_match_rebuild<float, PoolFor>((1 << 18) + 1, 15);
+  for (int64_t cap : {100LL, 70000LL}) test_batched_sample_matches_descend<float, PoolFor>(cap, 16);
+  test_claim_pool_runs_every_chunk_once();
+  test_cut_stream_aligns_to_split_nodes();
+  test_choose_child_matches_portable<float>(13);
+  test_choose_child_matches_portable<double>(14);
   test_rebuild_matches_updates();
   test_single_live_leaf_at_every_boundary();
   if (failures) {
