@@ -393,6 +393,31 @@ def test_capacity_overflow_evicts_oldest_or_raises():
     assert state_equal(strict.state_dict(), before)
 
 
+def test_eviction_orders_stay_bounded_without_advance():
+    """Capacity and reuse evictions leave dead entries in the FIFO and version buckets; without
+    advance() they must still be compacted, and eviction must still take the oldest live first."""
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    added = []
+    for step in range(300):
+        added.append(buf.add(make_batch(16, version=step % 3, seed=step)))
+        buf.sample(8)  # reuse cap 1: these die at once, out of insertion order
+        bound = 2 * buf.capacity + 1024 + 16  # O(capacity), whatever the history
+        assert len(buf._fifo) <= bound and buf._version_entries <= bound
+    assert buf._version_entries == sum(len(b) for b in buf._by_version.values())
+    live = buf._table.live.nonzero().flatten()
+    oldest = live[torch.argmin(buf._table.seq[live])]
+    assert buf._fifo[0][0] == int(oldest)  # compaction kept insertion order
+    # The state carries no order lists: they are rebuilt from the slot table on load.
+    state = buf.state_dict()
+    assert "fifo" not in state and "by_version" not in state
+    twin = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    twin.load_state_dict(state)
+    for step in range(5):
+        a, b = buf.add(make_batch(40, seed=900 + step)), twin.add(make_batch(40, seed=900 + step))
+        assert torch.equal(a.slot, b.slot)
+        assert torch.equal(buf._table.live, twin._table.live) and torch.equal(buf._table.seq, twin._table.seq)
+
+
 def test_stale_handles_are_ignored_and_counted():
     buf = tr.RolloutBuffer(4, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.0, eps=1e-6))
     old = buf.add(make_batch(4, seed=37, advantage=torch.ones(4)))

@@ -222,6 +222,7 @@ class RolloutBuffer:
         self._fifo: deque[tuple[int, int]] = deque()  # (slot, seq) in insertion order
         self._by_version: dict[int, list[tuple[int, int]]] = {}
         self._version_heap: list[int] = []
+        self._version_entries = 0  # entries across all _by_version buckets, dead ones included
         self._counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
         self._counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self._last_ess = math.nan
@@ -303,6 +304,12 @@ class RolloutBuffer:
                 bucket = self._by_version[v] = []
                 heapq.heappush(self._version_heap, v)
             bucket.append((slot, s))
+        self._version_entries += n
+        # Evicted entries are skipped lazily; drop them once they outnumber the live ones, so the
+        # orders stay O(capacity) whether or not advance() is ever called.
+        bound = 2 * t.count + 1024
+        if len(self._fifo) > bound or self._version_entries > bound:
+            self._rebuild_orders()
         self._counters["added"] += n
         self.sampler.on_insert(slots)
         return Handles(slots, t.generation[slots].clone())
@@ -361,16 +368,34 @@ class RolloutBuffer:
             victims: list[int] = []
             while self._version_heap and self._version_heap[0] < floor:
                 version = heapq.heappop(self._version_heap)
-                victims.extend(slot for slot, seq in self._by_version.pop(version) if self._alive(slot, seq))
+                bucket = self._by_version.pop(version)
+                self._version_entries -= len(bucket)
+                victims.extend(slot for slot, seq in bucket if self._alive(slot, seq))
             evicted = len(victims)
             self._evict(torch.tensor(victims, dtype=torch.int64), "staleness")
         self.sampler.on_advance(policy_version)
         for shard_id in self.storage.compaction_candidates():
             self._compact(shard_id)
-        # Keep the FIFO from growing without bound when most evictions are by age or reuse.
-        if len(self._fifo) > 2 * self._table.count + 1024:
-            self._fifo = deque((s, q) for s, q in self._fifo if self._alive(s, q))
         return evicted
+
+    def _rebuild_orders(self) -> None:
+        """The insertion FIFO and the per-version buckets, from the slot table alone: live slots in
+        insertion (seq) order. Lazily skipped dead entries are all they ever add, so this is how
+        they are compacted, and how a restored buffer gets them back without checkpointing them
+        (converting millions of tuples on the trainer thread made every snapshot slow)."""
+        t = self._table
+        live = t.live.nonzero().flatten()
+        order = live[torch.argsort(t.seq[live])]
+        slots, seqs, versions = order.tolist(), t.seq[order].tolist(), t.policy_version[order].tolist()
+        self._fifo = deque(zip(slots, seqs))
+        self._by_version = {}
+        for slot, seq, version in zip(slots, seqs, versions):
+            bucket = self._by_version.get(version)
+            if bucket is None:
+                bucket = self._by_version[version] = []
+            bucket.append((slot, seq))
+        self._version_heap = sorted(self._by_version)
+        self._version_entries = len(slots)
 
     def _compact(self, shard_id: int) -> None:
         """Rewrite a mostly dead shard's live rows into a new shard, so its file and memory go."""
@@ -713,9 +738,6 @@ class RolloutBuffer:
             "count": t.count,
             "next_seq": self._next_seq,
             "free": torch.tensor(self._free, dtype=torch.int64),
-            "fifo": torch.tensor(list(self._fifo), dtype=torch.int64).reshape(-1, 2),
-            "by_version": {str(v): torch.tensor(b, dtype=torch.int64).reshape(-1, 2)
-                           for v, b in self._by_version.items()},
             "counters": dict(self._counters),
             "last_ess": self._last_ess,
             "rng": self.generator.get_state(),
@@ -782,10 +804,8 @@ class RolloutBuffer:
             rows_used = table["row"][live][live_chunks == cid]
             if rows_used.numel() and (int(rows_used.min()) < 0 or int(rows_used.max()) >= n):
                 raise ValueError(f"state chunk {cid}: a live slot names a row outside its {n} rows")
-        for name in ("free", "fifo"):
-            value = state.get(name)
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
-                raise ValueError(f"state {name!r} must be an int64 tensor")
+        if not isinstance(state.get("free"), torch.Tensor) or state["free"].dtype != torch.int64:
+            raise ValueError("state 'free' must be an int64 tensor")
         free = state["free"]
         if free.numel() and (int(free.min()) < 0 or int(free.max()) >= self.capacity or bool(live[free].any())):
             raise ValueError("state 'free' names a slot outside the buffer or a live one")
@@ -826,9 +846,7 @@ class RolloutBuffer:
         new_table.chunk[~new_table.live] = -1
         self._next_seq = int(state["next_seq"])
         self._free = state["free"].tolist()
-        self._fifo = deque(tuple(p) for p in state["fifo"].tolist())
-        self._by_version = {int(v): [tuple(p) for p in b.tolist()] for v, b in state["by_version"].items()}
-        self._version_heap = sorted(self._by_version)
+        self._rebuild_orders()
         self._counters = dict(state["counters"])
         self._last_ess = float(state["last_ess"])
 
