@@ -393,10 +393,11 @@ def test_capacity_overflow_evicts_oldest_or_raises():
     assert state_equal(strict.state_dict(), before)
 
 
-def test_eviction_orders_stay_bounded_without_advance():
+@pytest.mark.parametrize("max_staleness", [None, 1000])
+def test_eviction_orders_stay_bounded_without_advance(max_staleness):
     """Capacity and reuse evictions leave dead entries in the FIFO and version buckets; without
     advance() they must still be compacted, and eviction must still take the oldest live first."""
-    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0, max_staleness=max_staleness)
     added = []
     for step in range(300):
         added.append(buf.add(make_batch(16, version=step % 3, seed=step)))
@@ -410,12 +411,17 @@ def test_eviction_orders_stay_bounded_without_advance():
     # The state carries no order lists: they are rebuilt from the slot table on load.
     state = buf.state_dict()
     assert "fifo" not in state and "by_version" not in state
-    twin = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    twin = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, seed=0, max_staleness=max_staleness)
     twin.load_state_dict(state)
     for step in range(5):
         a, b = buf.add(make_batch(40, seed=900 + step)), twin.add(make_batch(40, seed=900 + step))
         assert torch.equal(a.slot, b.slot)
         assert torch.equal(buf._table.live, twin._table.live) and torch.equal(buf._table.seq, twin._table.seq)
+    # A staleness cap set after the fact still sees every live rollout's version.
+    buf.max_staleness = 0
+    live_versions = buf._table.policy_version[buf._table.live]
+    expected = int((live_versions < 5).sum())
+    assert buf.advance(5) == expected and bool((buf._table.policy_version[buf._table.live] >= 5).all())
 
 
 def test_stale_handles_are_ignored_and_counted():

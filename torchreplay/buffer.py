@@ -223,6 +223,9 @@ class RolloutBuffer:
         self._by_version: dict[int, list[tuple[int, int]]] = {}
         self._version_heap: list[int] = []
         self._version_entries = 0  # entries across all _by_version buckets, dead ones included
+        # Version buckets serve staleness eviction only; without a staleness cap they are not kept
+        # (and are built from the slot table if a cap is set later).
+        self._tracking_versions = max_staleness is not None
         self._counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
         self._counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self._last_ess = math.nan
@@ -298,13 +301,14 @@ class RolloutBuffer:
         t.count += n
         t.version = max(t.version, int(packed.rollout["policy_version"].max()))
         self._fifo.extend(zip(slots.tolist(), seq.tolist()))
-        for slot, s, v in zip(slots.tolist(), seq.tolist(), packed.rollout["policy_version"].tolist()):
-            bucket = self._by_version.get(v)
-            if bucket is None:
-                bucket = self._by_version[v] = []
-                heapq.heappush(self._version_heap, v)
-            bucket.append((slot, s))
-        self._version_entries += n
+        if self._tracking_versions:
+            for slot, s, v in zip(slots.tolist(), seq.tolist(), packed.rollout["policy_version"].tolist()):
+                bucket = self._by_version.get(v)
+                if bucket is None:
+                    bucket = self._by_version[v] = []
+                    heapq.heappush(self._version_heap, v)
+                bucket.append((slot, s))
+            self._version_entries += n
         # Evicted entries are skipped lazily; drop them once they outnumber the live ones, so the
         # orders stay O(capacity) whether or not advance() is ever called.
         bound = 2 * t.count + 1024
@@ -364,6 +368,9 @@ class RolloutBuffer:
         self._table.version = policy_version
         evicted = 0
         if self.max_staleness is not None:
+            if not self._tracking_versions:
+                self._tracking_versions = True
+                self._rebuild_orders()
             floor = policy_version - self.max_staleness
             victims: list[int] = []
             while self._version_heap and self._version_heap[0] < floor:
@@ -386,16 +393,16 @@ class RolloutBuffer:
         t = self._table
         live = t.live.nonzero().flatten()
         order = live[torch.argsort(t.seq[live])]
-        slots, seqs, versions = order.tolist(), t.seq[order].tolist(), t.policy_version[order].tolist()
-        self._fifo = deque(zip(slots, seqs))
+        self._fifo = deque(zip(order.tolist(), t.seq[order].tolist()))
         self._by_version = {}
-        for slot, seq, version in zip(slots, seqs, versions):
-            bucket = self._by_version.get(version)
-            if bucket is None:
-                bucket = self._by_version[version] = []
-            bucket.append((slot, seq))
+        if self._tracking_versions:
+            # Group by version with tensor ops (a stable sort keeps seq order inside each version).
+            by_version = order[torch.sort(t.policy_version[order], stable=True).indices]
+            versions, counts = torch.unique_consecutive(t.policy_version[by_version], return_counts=True)
+            for version, part in zip(versions.tolist(), torch.split(by_version, counts.tolist())):
+                self._by_version[version] = list(zip(part.tolist(), t.seq[part].tolist()))
         self._version_heap = sorted(self._by_version)
-        self._version_entries = len(slots)
+        self._version_entries = sum(len(b) for b in self._by_version.values())
 
     def _compact(self, shard_id: int) -> None:
         """Rewrite a mostly dead shard's live rows into a new shard, so its file and memory go."""
