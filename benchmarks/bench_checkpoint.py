@@ -57,8 +57,14 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=1.0,
                         help="seconds between manifests in the 'with' run (real runs use 60-300)")
     parser.add_argument("--reps", type=int, default=3, help="alternating without/with latency runs per arm")
+    parser.add_argument("--pin", action="store_true",
+                        help="trainer (this process) on the first CPU; the upload helper (helper_cpus) and the "
+                             "S3 server on the last, in both arms")
     parser.add_argument("--out", default="benchmarks/results/bench_checkpoint.md")
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    trainer_cpus, background_cpus = ({cpus[0]}, [cpus[-1]]) if args.pin and len(cpus) > 1 else (set(cpus), None)
+    os.sched_setaffinity(0, trainer_cpus)
     torch.set_num_threads(1)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -71,7 +77,8 @@ def main() -> int:
     # happens on someone else's CPU, while on this 2-core machine moto's would take the trainer's.
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: (os.nice(19), os.sched_setaffinity(0, background_cpus or cpus)))
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -85,7 +92,8 @@ def main() -> int:
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="bench-ckpt")
     steps, n, length = (4, 128, 1024) if args.quick else (8, 512, 1024)
-    results: dict = {"load_average": os.getloadavg()[0], "steps": steps, "rollouts_per_step": n, "tokens": length}
+    results: dict = {"load_average": os.getloadavg()[0], "trainer_cpus": sorted(trainer_cpus),
+                     "background_cpus": background_cpus, "steps": steps, "rollouts_per_step": n, "tokens": length}
 
     # 1. upload throughput
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +126,8 @@ def main() -> int:
         """Without: no checkpointer at all. With: every sealed shard is uploaded and a manifest is
         published every `--interval` seconds from inside the buffer calls, as in a real run."""
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = Checkpointer("s3://bench-ckpt/lat", interval_s=args.interval, endpoint_url=endpoint) if in_flight else None
+            ckpt = Checkpointer("s3://bench-ckpt/lat", interval_s=args.interval, endpoint_url=endpoint,
+                                helper_cpus=background_cpus) if in_flight else None
             buf = tr.RolloutBuffer(64 * 64, sampler=tr.PrioritizedSampler(), checkpoint=ckpt, seed=0,
                                    storage=tr.TieredStorage(hot_bytes=256 << 20, spill_dir=tmp, io="posix"))
             for s in range(8):
@@ -160,7 +169,9 @@ def main() -> int:
     u, lat = results["upload"], results["latency"]
     lines = [
         "# Checkpoint benchmark (loopback moto S3)", "",
-        f"load average at start: {results['load_average']:.2f}; {steps} shards of {n} rollouts x {length} tokens", "",
+        f"load average at start: {results['load_average']:.2f}; {steps} shards of {n} rollouts x {length} tokens; "
+        + (f"trainer on CPU {sorted(trainer_cpus)}, upload helper and S3 server on CPU {background_cpus} (--pin)"
+           if background_cpus else "no CPU placement (all processes on every CPU)"), "",
         "| upload | MB/s |", "|---|---:|",
         f"| Checkpointer upload path (helper process, S3Store.put_file) | {u['checkpointer_MBps']:.1f} |",
         f"| raw boto3 put_object, same bytes | {u['raw_put_object_MBps']:.1f} |",

@@ -124,5 +124,26 @@ def test_helper_reports_errors_and_keeps_serving(tmp_path):
         assert remote.list("manifests") == ["manifests/000000000001.json"]
         remote.delete(["manifests/000000000001.json"])
         assert remote.list("manifests") == []
+        source = tmp_path / "shard.trs"
+        source.write_bytes(b"shard bytes")
+        remote.put_files([("shards/a.trs", str(source)), ("shards/b.trs", str(source))])
+        assert remote.list("shards") == ["shards/a.trs", "shards/b.trs"]
+        # Stops at the first failure and says which object: the ones before it are durable.
+        with pytest.raises(tr.CheckpointError, match="c.trs"):
+            remote.put_files([("shards/c.trs", str(tmp_path / "missing")), ("shards/d.trs", str(source))])
+        assert remote.list("shards") == ["shards/a.trs", "shards/b.trs"]
     finally:
         remote.close()
+
+
+def test_helper_cpus_places_the_helper_and_is_validated(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    ckpt = Checkpointer(f"file://{tmp_path}/ckpt", interval_s=3600, helper_cpus=[cpu])
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
+    buf.checkpoint()
+    assert os.sched_getaffinity(ckpt._remote._proc.pid) == {cpu}
+    buf.close()
+    for bad in ([], [-1], ["0"], [True], [10_000]):
+        with pytest.raises(ValueError, match="helper_cpus"):
+            Checkpointer(f"file://{tmp_path}/never", helper_cpus=bad)
+    assert not (tmp_path / "never").exists()  # refused before anything was created

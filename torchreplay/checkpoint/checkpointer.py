@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("torchreplay.checkpoint")
 MANIFEST_VERSION = 1
+_COALESCE_S = 0.05  # how long the worker gathers jobs before acting on them
 
 
 @dataclass
@@ -71,17 +73,27 @@ class Checkpointer:
         keep_last: manifests retained; older ones and shards only they named are deleted.
         endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
         retry_budget_s: how long one object may keep failing before the error surfaces.
+        helper_cpus: CPUs the upload helper process may run on (it runs at nice 10 anywhere by
+            default). On a host with few cores, keep it off the trainer's: sharing a core is what
+            is left of a checkpoint's cost to the trainer (docs/benchmarks.md).
     """
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
-                 retry_budget_s: float = 60.0) -> None:
+                 retry_budget_s: float = 60.0, helper_cpus: list[int] | None = None) -> None:
         if not (isinstance(interval_s, (int, float)) and interval_s > 0):
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        if helper_cpus is not None:
+            if isinstance(helper_cpus, (str, bytes)) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
+                raise ValueError(f"helper_cpus must be a non-empty list of CPU numbers, got {helper_cpus!r}")
+            # Not this process's own affinity: the trainer may have pinned itself elsewhere on purpose.
+            if max(helper_cpus) >= (os.cpu_count() or 1):
+                raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
         self.uri = uri
         self.store: ObjectStore = open_store(uri, endpoint_url)  # reads from this process
-        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s)  # writes, from the helper process
+        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=list(helper_cpus or []))  # writes, from the helper
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
         self.retry_budget_s = retry_budget_s
@@ -178,40 +190,73 @@ class Checkpointer:
 
     def _drain(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                if self._error is None:
-                    if isinstance(job, _Upload):
-                        self._upload(job)
-                    else:
-                        self._publish(job)
-            except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
-                log.error("torchreplay checkpoint failed: %s", exc)
-                self._error = exc
-            finally:
-                if isinstance(job, _Upload):
-                    self.buffer.storage.unpin_shards([job.shard])
-                elif isinstance(job, _Publish):
-                    job.done.set()
+            jobs = [self._queue.get()]
+            # Gather what arrives within a short window and send consecutive file uploads to the
+            # helper in one request: each wake-up of this thread takes the GIL from the trainer,
+            # so a handful per window beats several per shard (one shard seals per add).
+            time.sleep(_COALESCE_S)
+            while True:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            files: list[_Upload] = []
+            for job in jobs:
+                if isinstance(job, _Upload) and self._ready_file(job):
+                    files.append(job)
+                    continue
+                self._run_uploads(files)
+                files = []
+                if job is None:
+                    return
+                self._guarded(job, self._upload if isinstance(job, _Upload) else self._publish)
+            self._run_uploads(files)
 
-    def _upload(self, job: _Upload) -> None:
+    def _guarded(self, job: Any, work: Any) -> None:
+        try:
+            if self._error is None:
+                work(job)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
+            log.error("torchreplay checkpoint failed: %s", exc)
+            self._error = exc
+        finally:
+            if isinstance(job, _Upload):
+                self.buffer.storage.unpin_shards([job.shard])
+            elif isinstance(job, _Publish):
+                job.done.set()
+
+    def _ready_file(self, job: _Upload) -> bool:
+        """Wait for the shard's spill; True when its file is complete and can go up as a file."""
         if job.spill is not None:
             try:
-                job.spill.result()  # the spill file must be complete
+                job.spill.result()
             except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
                 job.source = job.shard.batch()
-        if isinstance(job.source, str):
-            self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving to a new prefix
-            self._remote.put_file(job.key, job.source)
-        else:
-            header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
-            data = bytearray(header.file_bytes)
-            data[: len(head)] = head
-            for offset, piece in writes:
-                data[offset : offset + len(piece)] = piece
-            self._remote.put(job.key, data)
+        return isinstance(job.source, str)
+
+    def _run_uploads(self, jobs: list[_Upload]) -> None:
+        if not jobs:
+            return
+        try:
+            if self._error is None:
+                for job in jobs:
+                    self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving elsewhere
+                self._remote.put_files([(job.key, job.source) for job in jobs])
+                self._durable.update(job.key for job in jobs)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
+            log.error("torchreplay checkpoint failed: %s", exc)
+            self._error = exc
+        finally:
+            self.buffer.storage.unpin_shards([job.shard for job in jobs])
+
+    def _upload(self, job: _Upload) -> None:
+        """A shard with no complete file (hot-only storage, or a failed spill): packed here."""
+        header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
+        data = bytearray(header.file_bytes)
+        data[: len(head)] = head
+        for offset, piece in writes:
+            data[offset : offset + len(piece)] = piece
+        self._remote.put(job.key, data)
         self._durable.add(job.key)
 
     def _publish(self, job: _Publish) -> None:

@@ -87,9 +87,11 @@ class RemoteStore:
     in order so that a manifest always follows the uploads it names.
     """
 
-    def __init__(self, uri: str, endpoint_url: str | None, retry_budget_s: float, nice: int = 10) -> None:
+    def __init__(self, uri: str, endpoint_url: str | None, retry_budget_s: float, nice: int = 10,
+                 cpus: list[int] | None = None) -> None:
         self.uri = uri
-        self._args = [uri, endpoint_url or "", repr(float(retry_budget_s)), str(int(nice))]
+        self._args = [uri, endpoint_url or "", repr(float(retry_budget_s)), str(int(nice)),
+                      ",".join(str(c) for c in cpus or [])]
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -127,6 +129,10 @@ class RemoteStore:
 
     def put_file(self, key: str, path: str) -> None:
         self._call({"op": "put_file", "key": key, "path": path})
+
+    def put_files(self, items: list[tuple[str, str]]) -> None:
+        """Upload (key, path) pairs in order in one request; stops at the first that fails."""
+        self._call({"op": "put_files", "items": [[key, path] for key, path in items]})
 
     def get(self, key: str) -> bytes:
         return self._call({"op": "get", "key": key})[1]
@@ -170,13 +176,18 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nice: str) -> None:
+def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nice: str, cpus: str) -> None:
     """The helper's loop: one request, one reply, until end of input."""
     _die_with_parent(int(parent_pid))
     try:
         os.nice(int(nice))
     except OSError:
         pass
+    if cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        except (OSError, AttributeError):
+            pass  # an affinity is a placement hint; uploads work anywhere
     from torchreplay.checkpoint.store import open_store, with_retries
 
     budget = float(retry_budget_s)
@@ -211,6 +222,10 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
             elif op == "put_file":
                 key, path = header["key"], header["path"]
                 with_retries(lambda: store.put_file(key, path), budget, f"upload {key}")
+                result = None
+            elif op == "put_files":
+                for key, path in header["items"]:
+                    with_retries(lambda: store.put_file(key, path), budget, f"upload {key}")
                 result = None
             elif op == "get":
                 key = header["key"]
