@@ -73,9 +73,9 @@ class Checkpointer:
         keep_last: manifests retained; older ones and shards only they named are deleted.
         endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
         retry_budget_s: how long one object may keep failing before the error surfaces.
-        helper_cpus: CPUs the upload helper process may run on (it runs at nice 10 anywhere by
-            default). On a host with few cores, keep it off the trainer's: sharing a core is what
-            is left of a checkpoint's cost to the trainer (docs/benchmarks.md).
+        helper_cpus: CPUs the upload helper process may run on (default: anywhere, at nice 10),
+            for hosts whose cores are partitioned between trainer, data loaders and I/O. On the
+            2-core benchmark machine it did not lower the trainer's p99 (docs/benchmarks.md).
     """
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
