@@ -41,10 +41,11 @@ inc="$headers/torch/include"
 cuda_inc=$(dirname "$(command -v nvcc)")/../include
 [ -d /usr/local/cuda/include ] && cuda_inc=/usr/local/cuda/include
 py_inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-for src in csrc/cuda/tree_cuda_ops.cpp csrc/ops.cpp; do
+# Every C++ source of the CUDA build: the CPU ops are compiled as C++20 against these headers too.
+for src in csrc/cuda/*.cpp csrc/ops.cpp csrc/cpu/*.cpp; do
   if g++ -std=c++20 -fsyntax-only -DTORCHREPLAY_WITH_CUDA -I"$inc" -I"$inc/torch/csrc/api/include" \
       -I"$cuda_inc" -I"$py_inc" "$src"; then
-    echo "cuda-check: ok   $src (CUDA torch glue, C++20)"
+    echo "cuda-check: ok   $src (against the CUDA build's torch headers, C++20)"
   else
     echo "cuda-check: FAIL $src"
     status=1
