@@ -39,6 +39,7 @@ TORCH_LIBRARY(torchreplay, m) {
   // Cold-tier reads (csrc/shard_reader.h): pread + page CRC32 + row copies for many shards at once.
   m.def("read_shard_rows(str[] paths, Tensor segments, Tensor rows, Tensor crcs, Tensor(a!)[] dests, "
         "Tensor(b!) page_state, bool direct, int threads) -> Tensor");
+  m.def("page_crc32(Tensor data, int page_size) -> Tensor");
   m.def("cuda_version() -> int", &cuda_version);
 }
 

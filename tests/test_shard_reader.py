@@ -252,3 +252,20 @@ def test_cold_samples_match_hot_with_shaped_and_optional_fields(tmp_path, option
             assert torch.equal(a.data[key], b.data[key]), key
     assert cold.metrics()["storage_cold_reads"] > 0
     cold.close()
+
+
+def test_page_crc32_matches_zlib_and_rejects_bad_input():
+    import zlib
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (0, 1, 63, 64, 4095, 65536, 65537, 3 * 65536 + 17):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        got = torch.ops.torchreplay.page_crc32(data, 65536).tolist()
+        raw = data.numpy().tobytes()
+        want = [zlib.crc32(raw[i : i + 65536]) for i in range(0, n, 65536)] or [zlib.crc32(b"")]
+        assert got == want, n
+    torch.library.opcheck(torch.ops.torchreplay.page_crc32, (torch.arange(10000, dtype=torch.uint8), 4096))
+    with pytest.raises(ValueError, match="page_size"):
+        torch.ops.torchreplay.page_crc32(torch.zeros(10, dtype=torch.uint8), 1000)
+    with pytest.raises(TypeError, match="uint8"):
+        torch.ops.torchreplay.page_crc32(torch.zeros(10, dtype=torch.int32), 4096)

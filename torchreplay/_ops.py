@@ -83,3 +83,9 @@ def _(values, starts, lengths, dest, out, left, fill=None):
 @torch.library.register_fake("torchreplay::read_shard_rows")
 def _(paths, segments, rows, crcs, dests, page_state, direct, threads):
     return segments.new_empty((segments.shape[0], 4), dtype=torch.int64)
+
+
+@torch.library.register_fake("torchreplay::page_crc32")
+def _(data, page_size):
+    pages = max(1, -(-data.shape[0] // page_size))
+    return data.new_empty((pages,), dtype=torch.int64)

@@ -109,7 +109,12 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def page_crcs(data: memoryview, page_size: int, pool: Executor | None = None) -> list[int]:
-    """CRC32 of each page. With a pool, runs of 64 pages go to its threads (zlib releases the GIL)."""
+    """CRC32 of each page (zlib's CRC-32). Writable buffers (tensor bytes: every block of a shard
+    being written) go to the C++ op, ~3-4x zlib's speed here (PCLMULQDQ), without the GIL;
+    read-only ones (small headers) to zlib, where a pool spreads runs of 64 pages over threads."""
+    view = memoryview(data).cast("B")
+    if not view.readonly and len(view) and page_size % 4096 == 0:
+        return torch.ops.torchreplay.page_crc32(torch.frombuffer(view, dtype=torch.uint8), page_size).tolist()
     starts = range(0, len(data), page_size)
     if pool is None or len(starts) < 128:
         return [zlib.crc32(data[i : i + page_size]) for i in starts] or [zlib.crc32(b"")]
