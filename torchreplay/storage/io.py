@@ -61,9 +61,6 @@ class IOBackend(Protocol):
         `digest(part)` runs on every part next to its write (results per piece, in order), then
         `finalize(results)` returns more pieces (a header) written before the file is published."""
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Read (offset, nbytes) ranges, 4 KiB aligned, in parallel."""
-
     def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
         """Token rows of field blocks in shard files, every page they touch verified, copied into
@@ -160,41 +157,6 @@ class PosixIO:
             _unlink_quietly(tmp)
             raise storage_error(exc, "cannot publish shard", path) from exc
 
-    def _pread(self, fd: int, offset: int, nbytes: int) -> memoryview:
-        if self.direct:
-            staged = self._staging()
-            got = os.preadv(fd, [memoryview(staged)[: align_up(nbytes) or ALIGN]], offset)
-            return memoryview(bytes(memoryview(staged)[: min(got, nbytes)]))
-        chunks = []
-        done = 0
-        while done < nbytes:
-            chunk = os.pread(fd, nbytes - done, offset + done)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            done += len(chunk)
-        return memoryview(b"".join(chunks) if len(chunks) != 1 else chunks[0])
-
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        try:
-            fd = os.open(path, self._flags(os.O_RDONLY))
-        except OSError as exc:
-            raise storage_error(exc, "cannot open shard", path) from exc
-        try:
-            futures = [[self.pool.submit(self._pread, fd, o, n) for o, n in _split(off, nbytes)] for off, nbytes in ranges]
-            out = []
-            for (off, nbytes), parts in zip(ranges, futures):
-                data = [p.result() for p in parts]
-                view = data[0] if len(data) == 1 else memoryview(b"".join(data))
-                if len(view) != nbytes:
-                    raise StorageError(f"short read from {path}: {len(view)} of {nbytes} bytes at {off} (truncated file?)")
-                out.append(view)
-            return out
-        except OSError as exc:
-            raise storage_error(exc, "cannot read shard", path) from exc
-        finally:
-            os.close(fd)
-
     def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
         return read_shard_rows(paths, segments, rows, crcs, dests, page_state, self.direct, self.threads)
@@ -243,25 +205,6 @@ class KvikioIO:
         except RuntimeError as exc:  # kvikio reports cuFile failures as RuntimeError
             _unlink_quietly(tmp)
             raise StorageError(f"kvikio cannot write shard {path}: {exc}") from exc
-
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        import numpy as np
-
-        if not os.path.exists(path):
-            raise StorageError(f"cannot open shard {path}: file vanished")
-        out = []
-        try:
-            with self._kvikio.CuFile(path, "r") as f:
-                bufs = [np.empty(n, dtype=np.uint8) for _, n in ranges]
-                futures = [f.pread(b, file_offset=o) for b, (o, _) in zip(bufs, ranges)]
-                for b, fut, (o, n) in zip(bufs, futures, ranges):
-                    got = fut.get()
-                    if got != n:
-                        raise StorageError(f"short read from {path}: {got} of {n} bytes at {o}")
-                    out.append(memoryview(b))
-        except RuntimeError as exc:
-            raise StorageError(f"kvikio cannot read shard {path}: {exc}") from exc
-        return out
 
     def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
