@@ -157,6 +157,23 @@ TR_HD int highest_bit(unsigned mask) {
 // total: then the last child with positive mass is taken and `target` becomes its whole mass. This
 // is what keeps an index >= capacity (or a dead leaf) from ever coming back, a known failure of
 // float32 trees. Only an empty node (which callers rule out) gives child 0.
+// The choice from the two masks (bit c: child c has mass; target < P_(c+1)), shared by the
+// portable and SSE2 versions so both settle boundaries identically.
+template <typename value_t>
+TR_HD int settle_child(const value_t* children, const double* prefix, unsigned live, unsigned below,
+                       double& target) {
+  const unsigned hit = live & below;
+  if (hit != 0) {
+    const int c = lowest_bit(hit);
+    target -= prefix[c];
+    return c;
+  }
+  if (live == 0) return 0;
+  const int c = highest_bit(live);
+  target = static_cast<double>(children[c]);
+  return c;
+}
+
 template <typename value_t>
 TR_HD int choose_child_portable(const value_t* children, double& target) {
   double prefix[kArity + 1];
@@ -170,16 +187,7 @@ TR_UNROLL
     live |= static_cast<unsigned>(v > 0.0) << c;
     below |= static_cast<unsigned>(target < prefix[c + 1]) << c;
   }
-  const unsigned hit = live & below;
-  if (hit != 0) {
-    const int c = lowest_bit(hit);
-    target -= prefix[c];
-    return c;
-  }
-  if (live == 0) return 0;
-  const int c = highest_bit(live);
-  target = static_cast<double>(children[c]);
-  return c;
+  return settle_child(children, prefix, live, below, target);
 }
 
 #if TR_HOST_SSE2
@@ -220,16 +228,7 @@ inline int choose_child_sse2(const value_t* children, double& target) {
     const __m128d upper = _mm_set_pd(prefix[2 * i + 2], prefix[2 * i + 1]);
     below |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmplt_pd(t, upper))) << (2 * i);
   }
-  const unsigned hit = live & below;
-  if (hit != 0) {
-    const int c = lowest_bit(hit);
-    target -= prefix[c];
-    return c;
-  }
-  if (live == 0) return 0;
-  const int c = highest_bit(live);
-  target = static_cast<double>(children[c]);
-  return c;
+  return settle_child(children, prefix, live, below, target);
 }
 #endif
 
