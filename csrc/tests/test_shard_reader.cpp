@@ -14,21 +14,12 @@
 
 #include "shard_reader.h"
 
+#include "check.h"
+
+using torchreplay::testing::failures;
 using namespace torchreplay::shard;
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond, ...)                                          \
-  do {                                                            \
-    if (!(cond)) {                                                \
-      std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                                   \
-      std::printf("\n");                                          \
-      ++failures;                                                 \
-    }                                                             \
-  } while (0)
 
 constexpr int64_t kPage = 4096;
 constexpr int64_t kBlockOffset = 8192;  // the header's room in a real shard

@@ -12,21 +12,12 @@
 #include "cpu/claim_pool.h"
 #include "cpu/tree_cpu.h"
 
+#include "check.h"
+
+using torchreplay::testing::failures;
 using namespace torchreplay::tree;
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                            \
-      std::printf("\n");                                   \
-      ++failures;                                          \
-    }                                                      \
-  } while (0)
 
 struct SerialFor {
   template <typename Fn>
