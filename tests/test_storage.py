@@ -87,6 +87,30 @@ def test_shard_files_deleted_when_all_rollouts_evicted(tmp_path):
     buf.close()
 
 
+
+def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_path):
+    """A checkpoint upload pins its shard; if the shard's rollouts die meanwhile, the upload thread
+    deletes the file when it unpins, rather than leaving a batch of unlinks to the trainer's next call."""
+    import threading
+
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
+    for v in range(3):
+        buf.add(make_batch(8, version=v, seed=v))
+    storage.flush()
+    pinned = [storage.shard(sid) for sid in sorted(storage._shards)[:2]]
+    storage.pin_shards([s.id for s in pinned])
+    buf.advance(3)  # both pinned shards die; their files must outlive the pin
+    assert all(os.path.exists(s.path) for s in pinned)
+    deleted_before = storage.counters["deleted_shards"]
+    unpinner = threading.Thread(target=storage.unpin_shards, args=(pinned,))
+    unpinner.start()
+    unpinner.join()
+    assert not any(os.path.exists(s.path) for s in pinned)  # no trainer call in between
+    assert storage.counters["deleted_shards"] == deleted_before + 2
+    assert len(list(tmp_path.glob("*.trs"))) == 1
+    buf.close()
+
 def test_mostly_dead_shards_are_compacted(tmp_path):
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0.5)
     buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_reuse=1, storage=storage)

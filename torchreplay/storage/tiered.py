@@ -419,7 +419,8 @@ class TieredStorage:
             if shard.path is not None:
                 try:
                     os.unlink(shard.path)
-                    self.counters["deleted_shards"] += 1
+                    with self._lock:  # two threads may be deleting (see unpin_shards)
+                        self.counters["deleted_shards"] += 1
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
@@ -444,6 +445,10 @@ class TieredStorage:
         with self._lock:
             for shard in shards:
                 shard.pins -= 1
+        # Files that died while pinned go now, on the unpinning thread. Left to the trainer's next
+        # call, a checkpoint upload batch (~100 shards on a busy run) unpinned at once cost that
+        # call 10-40 ms of unlinks: the p99 of `add` with checkpointing on.
+        self._flush_deletes()
 
     def shard(self, shard_id: int) -> _Shard:
         return self._shards[shard_id]
