@@ -364,16 +364,28 @@ def test_cuda_opcheck_and_no_sync():
 
 @pytest.mark.parametrize("left", [False, True])
 def test_pad_rows_op(left):
-    values = torch.arange(20, dtype=torch.float32).reshape(10, 2)  # token rows with a row shape (2,)
-    out = torch.full((3, 4, 2), -1.0)
-    starts, lengths, dest = torch.tensor([0, 5, 8]), torch.tensor([3, 4, 2]), torch.tensor([2, 0, 1])
-    ops.pad_rows(values, starts, lengths, dest, out, left)
-    for s, n, d in zip(starts.tolist(), lengths.tolist(), dest.tolist()):
+    # Two sources of token rows with a row shape (2,); output rows come from either.
+    values = [torch.arange(20, dtype=torch.float32).reshape(10, 2),
+              100 + torch.arange(8, dtype=torch.float32).reshape(4, 2)]
+    out = torch.full((4, 4, 2), -1.0)
+    source, starts = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 8, 0])
+    lengths, dest = torch.tensor([3, 3, 2, 0]), torch.tensor([2, 0, 1, 3])
+    ops.pad_rows(values, source, starts, lengths, dest, out, left, -7.0)
+    for src, s, n, d in zip(source.tolist(), starts.tolist(), lengths.tolist(), dest.tolist()):
         cols = slice(4 - n, 4) if left else slice(0, n)
-        assert torch.equal(out[d, cols], values[s : s + n])
-        assert bool((out[d].sum(-1) == -2).sum() == 4 - n)
-    torch.library.opcheck(ops.pad_rows.default, (values, starts, lengths, dest, out.clone(), left))
-    with pytest.raises(IndexError):
-        ops.pad_rows(values, torch.tensor([9]), torch.tensor([3]), torch.tensor([0]), out, left)
-    with pytest.raises(IndexError):
-        ops.pad_rows(values, torch.tensor([0]), torch.tensor([3]), torch.tensor([5]), out, left)
+        pad = slice(0, 4 - n) if left else slice(n, 4)
+        assert torch.equal(out[d, cols], values[src][s : s + n])
+        assert bool((out[d, pad] == -7).all())
+    torch.library.opcheck(ops.pad_rows.default, (values, source, starts, lengths, dest, out.clone(), left, 0.0))
+    before = out.clone()
+    with pytest.raises(IndexError, match=r"outside the 4 token rows of values\[1\]"):
+        ops.pad_rows(values, torch.tensor([0, 1]), torch.tensor([0, 3]), torch.tensor([1, 2]), torch.tensor([0, 1]),
+                     out, left)
+    with pytest.raises(IndexError, match="dest"):
+        ops.pad_rows(values, torch.tensor([0]), torch.tensor([0]), torch.tensor([3]), torch.tensor([5]), out, left)
+    with pytest.raises(IndexError, match="source"):
+        ops.pad_rows(values, torch.tensor([2]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), out, left)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.pad_rows([values[0].double()], torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]),
+                     out, left)
+    assert torch.equal(out, before)  # a rejected call writes nothing

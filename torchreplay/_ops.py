@@ -77,7 +77,7 @@ def _(leaves, sums, mins, capacity):
 
 
 @torch.library.register_fake("torchreplay::pad_rows")
-def _(values, starts, lengths, dest, out, left, fill=None):
+def _(values, source, starts, lengths, dest, out, left, fill=None):
     return None
 
 @torch.library.register_fake("torchreplay::read_shard_rows")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -632,34 +633,44 @@ class RolloutBuffer:
     def _pad(self, plan: _Plan) -> ReplayBatch:
         n = plan.slots.numel()
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
-        lengths = torch.empty(n, dtype=torch.int64)
-        parts = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields)
-        for at, batch, index in parts:
-            lengths[at] = batch.offsets[index + 1] - batch.offsets[index]
+        gather = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields)
+        sources, source, index = gather.sources, gather.source, gather.index
+        # Per row: where its tokens start in its source and how many there are, from the sources'
+        # offsets laid end to end (each source has n + 1 of them).
+        offset_base = torch.tensor([0, *itertools.accumulate(b.n + 1 for b in sources)][:-1], dtype=torch.int64)
+        offsets = torch.cat([b.offsets for b in sources]) if sources else torch.zeros(1, dtype=torch.int64)
+        at = offset_base[source] + index
+        starts = offsets[at]
+        lengths = offsets[at + 1] - starts
         width = int(lengths.max()) if n else 0
         left = self.padding_side == "left"
+        dest = torch.arange(n)
         # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
         valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
-        ops.pad_rows(torch.ones(width, dtype=torch.bool), torch.zeros(n, dtype=torch.int64), lengths,
-                     torch.arange(n), valid, left, False)
+        ops.pad_rows([torch.ones(width, dtype=torch.bool)], torch.zeros(n, dtype=torch.int64),
+                     torch.zeros(n, dtype=torch.int64), lengths, dest, valid, left, False)
         data: dict[str, torch.Tensor] = {}
         for name in token_fields:
             spec = self.fields[name]
             fill = self.pad_token_id if name == "tokens" else 0
             out = self._output(name, (n, width, *spec.shape), spec.dtype, plan.reuse_output)
-            for at, batch, index in parts:
-                values = batch.token.get(name)
-                if values is not None:
-                    ops.pad_rows(values, batch.offsets[index], lengths[at], at, out, left, fill)
-                else:  # a shard stored before this optional field existed: all padding
-                    out[at] = fill
+            values = [b.token.get(name) for b in sources]
+            field_starts, field_lengths = starts, lengths
+            if any(v is None for v in values):  # shards stored before this optional field existed: all padding
+                missing = torch.tensor([v is None for v in values])[source]
+                field_starts, field_lengths = starts.masked_fill(missing, 0), lengths.masked_fill(missing, 0)
+                values = [torch.empty((0, *spec.shape), dtype=spec.dtype) if v is None else v for v in values]
+            if n:
+                ops.pad_rows(values, source, field_starts, field_lengths, dest, out, left, fill)
             data[name] = out
+        row_base = torch.tensor([0, *itertools.accumulate(b.n for b in sources)][:-1], dtype=torch.int64)
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
         for name in extra_rollout:
-            data[name] = torch.zeros((n, *self.fields[name].shape), dtype=self.fields[name].dtype)
-            for at, batch, index in parts:
-                if name in batch.rollout:
-                    data[name][at] = batch.rollout[name][index]
+            spec = self.fields[name]
+            columns = [b.rollout.get(name) for b in sources]
+            columns = [torch.zeros((b.n, *spec.shape), dtype=spec.dtype) if c is None else c
+                       for b, c in zip(sources, columns)]
+            data[name] = torch.cat(columns)[row_base[source] + index] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
         data["attention_mask"] = valid
         data.update(plan.meta)
         return ReplayBatch(

@@ -117,6 +117,15 @@ POLICIES = {"lru": LRUPolicy, "newest": NewestFirstPolicy}
 
 # ------------------------------------------------------------------------------------ shards
 @dataclass
+class Gather:
+    """Where the rows of a sampled batch come from: row k is row index[k] of sources[source[k]]."""
+
+    sources: list[PackedBatch]
+    source: torch.Tensor  # [n] int64
+    index: torch.Tensor  # [n] int64
+
+
+@dataclass
 class _Shard:
     id: int
     n: int
@@ -483,40 +492,55 @@ class TieredStorage:
         return out
 
     def fetch_slots(self, shards: list[_Shard], shard_of: torch.Tensor, rows: torch.Tensor, fields: list[str]
-                    ) -> list[tuple[torch.Tensor, PackedBatch, torch.Tensor]]:
+                    ) -> Gather:
         """Rows for a sampled batch from pinned shards: position k wants row rows[k] of shard id
-        shard_of[k]. Returns parts (positions, batch, index), batch row index[j] holding position
-        positions[j]. Hot shards come back as themselves. Cold shards that agree on their fields
-        come back as one batch, read in one reader call, so the caller pads them with one op per
-        field: per-shard batches cost a handful of tensor ops per shard, and a batch of 256
-        rollouts sampled from 4 GiB touches ~65 shards."""
+        shard_of[k]. Hot shards come back as themselves, cold rows as freshly read batches (those of
+        shards that agree on their fields as one batch, read in one reader call). The result is one
+        description over all of them, so the caller pads each field with one op whatever the number
+        of shards: per-shard batches cost a handful of tensor ops per shard, and a batch of 64
+        rollouts sampled from a busy buffer touches ~64 shards."""
         with self._lock:
-            cold = [s for s in shards if s.token is None]
-        if not cold or not _same_layout(cold, fields):
-            where = [(shard_of == s.id).nonzero().flatten() for s in shards]
-            got = self.fetch_many([(s, rows[at]) for s, at in zip(shards, where)], fields)
-            return [(at, batch, index) for at, (batch, index) in zip(where, got)]
-        ids = torch.tensor([s.id for s in cold])
-        sorted_ids, by_id = torch.sort(ids)
-        slot = torch.searchsorted(sorted_ids, shard_of).clamp_(max=len(cold) - 1)
-        is_cold = sorted_ids[slot] == shard_of
-        at = is_cold.nonzero().flatten()
-        which = by_id[slot[at]]
-        offsets, values, failures = self._read_cold_rows(cold, which, rows[at], fields)
-        for i in sorted(failures):
-            raise failures[i]
-        where_rows = _row_base(cold, 0)[which] + rows[at]
-        rollout = {name: torch.cat([s.rollout[name] for s in cold])[where_rows] for name in cold[0].rollout}
-        batch = PackedBatch(n=at.numel(), offsets=offsets, rollout=rollout,
-                            token={name: t for (name, _, _), t in values.items()})
-        parts = [(at, batch, torch.arange(at.numel()))]
-        cold_ids = {s.id for s in cold}
-        hot = [s for s in shards if s.id not in cold_ids]
-        if hot:
-            where = [(shard_of == s.id).nonzero().flatten() for s in hot]
-            got = self.fetch_many([(s, rows[w]) for s, w in zip(hot, where)], fields)
-            parts += [(w, part, index) for w, (part, index) in zip(where, got)]
-        return parts
+            tokens = [s.token for s in shards]
+        shard_ids, by_id = torch.sort(torch.tensor([s.id for s in shards], dtype=torch.int64))
+        position = by_id[torch.searchsorted(shard_ids, shard_of)]  # index into `shards` for each row
+        sources: list[PackedBatch] = []
+        source_of_shard = [-1] * len(shards)
+        for i, (shard, token) in enumerate(zip(shards, tokens)):
+            if token is not None:
+                self.counters["hot_hits"] += 1
+                self.policy.touched(shard.id)
+                source_of_shard[i] = len(sources)
+                sources.append(PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout))
+        source = torch.tensor(source_of_shard, dtype=torch.int64)[position]
+        index = rows.clone()
+        cold = [i for i, token in enumerate(tokens) if token is None]
+        if cold and _same_layout([shards[i] for i in cold], fields):
+            is_cold = source < 0
+            at = is_cold.nonzero().flatten()
+            which = torch.tensor([-1] * len(shards), dtype=torch.int64)
+            which[cold] = torch.arange(len(cold))
+            cold_shards = [shards[i] for i in cold]
+            offsets, values, failures = self._read_cold_rows(cold_shards, which[position[at]], rows[at], fields)
+            for i in sorted(failures):
+                raise failures[i]
+            where_rows = _row_base(cold_shards, 0)[which[position[at]]] + rows[at]
+            rollout = {name: torch.cat([s.rollout[name] for s in cold_shards])[where_rows]
+                       for name in cold_shards[0].rollout}
+            source[at] = len(sources)
+            index[at] = torch.arange(at.numel())
+            sources.append(PackedBatch(n=at.numel(), offsets=offsets, rollout=rollout,
+                                       token={name: t for (name, _, _), t in values.items()}))
+        elif cold:
+            where = [(position == i).nonzero().flatten() for i in cold]
+            got = self._read_cold_many([(shards[i], rows[at]) for i, at in zip(cold, where)], fields)
+            for at, part in zip(where, got):
+                if isinstance(part, CorruptRows):
+                    raise part
+                batch, batch_index = part
+                source[at] = len(sources)
+                index[at] = batch_index
+                sources.append(batch)
+        return Gather(sources, source, index)
 
     def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
         got = self._read_cold_many([(shard, rows)], fields)[0]
