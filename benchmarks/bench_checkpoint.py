@@ -60,6 +60,10 @@ def main() -> int:
     parser.add_argument("--pin", action="store_true",
                         help="trainer (this process) on the first CPU; the upload helper (helper_cpus) and the "
                              "S3 server on the last, in both arms")
+    parser.add_argument("--step-ms", type=float, default=10.0,
+                        help="simulated training step after each add + sample: the trainer thread waits (on the "
+                             "GPU, in a real run) and uses no CPU. 0 = back-to-back calls, which produce shards faster "
+                             "than the S3 server here can take them, so uploads fall ever further behind")
     parser.add_argument("--out", default="benchmarks/results/bench_checkpoint.md")
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
@@ -92,7 +96,7 @@ def main() -> int:
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="bench-ckpt")
     steps, n, length = (4, 128, 1024) if args.quick else (8, 512, 1024)
-    results: dict = {"load_average": os.getloadavg()[0], "trainer_cpus": sorted(trainer_cpus),
+    results: dict = {"load_average": os.getloadavg()[0], "trainer_cpus": sorted(trainer_cpus), "step_ms": args.step_ms,
                      "background_cpus": background_cpus, "steps": steps, "rollouts_per_step": n, "tokens": length}
 
     # 1. upload throughput
@@ -143,9 +147,13 @@ def main() -> int:
                 t2 = time.perf_counter()
                 add_lat.append(t1 - t0)
                 sample_lat.append(t2 - t1)
+                if args.step_ms:
+                    time.sleep(args.step_ms / 1e3)
+            t_end = time.perf_counter()
+            buf.close()  # publishes a last manifest: waits for every upload
+            drain_s = time.perf_counter() - t_end
             published = len(ckpt.published) if ckpt else 0
-            buf.close()
-        return {"manifests": published, "add_p50_ms": 1e3 * statistics.median(add_lat),
+        return {"manifests": published, "close_s": drain_s, "add_p50_ms": 1e3 * statistics.median(add_lat),
                 "add_p99_ms": 1e3 * pct(add_lat, 0.99),
                 "sample_p50_ms": 1e3 * statistics.median(sample_lat), "sample_p99_ms": 1e3 * pct(sample_lat, 0.99)}
 
@@ -178,7 +186,11 @@ def main() -> int:
         f"| ratio (Checkpointer / raw) | {u['ratio']:.2f} |", "",
         f"Latency: median over {args.reps} alternating runs per arm of {100 if args.quick else 1000} add + sample calls (64 rollouts x 512 tokens each, tiered "
         f"storage); 'without' has no checkpointer; 'with' uploaded every sealed shard (one per add) and "
-        f"published {busy['manifests']:g} manifests (interval {args.interval:g} s).", "",
+        f"published {busy['manifests']:g} manifests (interval {args.interval:g} s, counting the one on close). "
+        + (f"Each add + sample is followed by a simulated {args.step_ms:g} ms training step (the trainer thread "
+           f"sleeps, as it waits on the GPU in a real run)" if args.step_ms else
+           "Calls run back to back (--step-ms 0): shards are produced faster than the server takes them")
+        + f"; close() then waited {busy['close_s']:.1f} s for the uploads to finish.", "",
         "| latency (ms) | p50 without | p50 with | p99 without | p99 with | p99 inflation |",
         "|---|---:|---:|---:|---:|---:|",
         f"| add | {lat['without']['add_p50_ms']:.2f} | {lat['with']['add_p50_ms']:.2f} | {lat['without']['add_p99_ms']:.2f} "
