@@ -30,6 +30,10 @@ TORCH_LIBRARY(torchreplay, m) {
   m.def("tree_update(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, Tensor indices, Tensor priorities, "
         "int capacity) -> ()");
   m.def("tree_sample(Tensor leaves, Tensor sums, Tensor u, int capacity, bool stratified) -> (Tensor, Tensor)");
+  // sample(batch_size) on the CPU, uniforms counter_uniform(seed, k) drawn inside (CPU only: on a
+  // GPU, torch.rand on the device is already cheap and needs no host-side seed).
+  m.def("tree_sample_seeded(Tensor leaves, Tensor sums, int seed, int batch_size, int capacity, bool stratified) "
+        "-> (Tensor, Tensor)");
   m.def("tree_total(Tensor sums) -> Tensor");
   m.def("tree_min(Tensor mins) -> Tensor");
   m.def("tree_get(Tensor leaves, Tensor indices, int capacity) -> Tensor");

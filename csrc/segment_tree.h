@@ -272,5 +272,18 @@ TR_HD bool valid_index(int64_t i, int64_t capacity) { return i >= 0 && i < capac
 
 TR_HD bool valid_uniform(double u) { return u >= 0.0 && u < 1.0; }
 
+// The k-th uniform in [0, 1) of a stream named by `seed`: SplitMix64's output function (Steele,
+// Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014; constants from
+// Vigna's reference) applied to the stream's k-th state, top 53 bits. A counter-based stream:
+// any thread computes any k directly, so a batch's uniforms cost ~1 ns each and need no shared
+// generator state, unlike torch.rand's Mersenne Twister (~8 ns each, serial, plus an allocation).
+TR_HD double counter_uniform(uint64_t seed, uint64_t k) {
+  uint64_t z = seed + (k + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);  // 2^-53
+}
+
 }  // namespace tree
 }  // namespace torchreplay

@@ -197,6 +197,49 @@ def test_bad_input_raises_and_changes_nothing(call, error, match):
     assert t.total().item() == 3.0
 
 
+def splitmix64_uniforms(seed: int, n: int) -> torch.Tensor:
+    """Reference for csrc/segment_tree.h counter_uniform, in Python integers: SplitMix64's output
+    function on state seed + (k + 1) * golden gamma, top 53 bits."""
+    mask = (1 << 64) - 1
+    out = []
+    for k in range(n):
+        z = (seed + (k + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append((z >> 11) / 2.0**53)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_counter_uniforms_are_uniform():
+    """The CPU sample(B) stream: a chi-square test of 100k draws in 100 bins (fixed seed; the 0.1%
+    critical value for 99 degrees of freedom is 148.2) and a lag-1 correlation within 4 sigma."""
+    u = splitmix64_uniforms(12345, 100_000)
+    counts = torch.histc(u, bins=100, min=0.0, max=1.0)
+    expected = 1000.0
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 148.2, chi2
+    x = u - 0.5
+    corr = float((x[1:] * x[:-1]).mean() / x.var())
+    assert abs(corr) < 4 / 100_000 ** 0.5, corr
+
+
+def test_seeded_sample_op():
+    t = tr.SegmentTree(300)
+    t.update(torch.arange(300), torch.rand(300, generator=torch.Generator().manual_seed(0)) + 0.01)
+    for stratified in (True, False):
+        idx, prio = ops.tree_sample_seeded(t._leaves, t._sums, 77, 50, 300, stratified)
+        want = ops.tree_sample(t._leaves, t._sums, splitmix64_uniforms(77, 50), 300, stratified)
+        assert torch.equal(idx, want[0]) and torch.equal(prio, want[1])
+    torch.library.opcheck(ops.tree_sample_seeded.default, (t._leaves, t._sums, 77, 50, 300, True))
+    with pytest.raises(ValueError, match="batch_size"):
+        ops.tree_sample_seeded(t._leaves, t._sums, 77, -1, 300, True)
+    empty = tr.SegmentTree(10)
+    with pytest.raises(ValueError, match="empty tree"):
+        ops.tree_sample_seeded(empty._leaves, empty._sums, 1, 4, 10, True)
+    assert ops.tree_sample_seeded(empty._leaves, empty._sums, 1, 0, 10, True)[0].numel() == 0
+
+
 def test_cpu_fast_paths_match_the_checked_paths():
     """sample(B, generator) and update(int64, same-dtype tensors) skip the Python checks on the CPU:
     same draws, same tree, and the op's own checks still reject bad values."""
@@ -206,8 +249,12 @@ def test_cpu_fast_paths_match_the_checked_paths():
     b.update(list(range(1000)), prio.tolist())  # converted path
     assert torch.equal(a._sums, b._sums) and torch.equal(a._mins, b._mins)
     got = a.sample(64, generator=torch.Generator().manual_seed(3))
-    want = a.sample(u=torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    seed = int(torch.randint(0, 1 << 62, (), generator=torch.Generator().manual_seed(3)))
+    want = a.sample(u=splitmix64_uniforms(seed, 64))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    again = a.sample(64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got[0], again[0])
+    assert not torch.equal(got[0], a.sample(64, generator=torch.Generator().manual_seed(4))[0])
     with pytest.raises(IndexError):
         a.update(torch.tensor([5, 1000]), torch.tensor([1.0, 1.0]))
     with pytest.raises(ValueError, match=r"priorities\[0\]"):

@@ -56,6 +56,11 @@ def _(leaves, sums, u, capacity, stratified):
     return leaves.new_empty((n,), dtype=torch.int64), leaves.new_empty((n,))
 
 
+@torch.library.register_fake("torchreplay::tree_sample_seeded")
+def _(leaves, sums, seed, batch_size, capacity, stratified):
+    return leaves.new_empty((batch_size,), dtype=torch.int64), leaves.new_empty((batch_size,))
+
+
 @torch.library.register_fake("torchreplay::tree_total")
 def _(sums):
     return sums.new_empty(())

@@ -9,6 +9,8 @@
 #include "claim_pool.h"
 #include "tree_cpu.h"
 
+#include <vector>
+
 namespace torchreplay {
 namespace {
 
@@ -71,6 +73,28 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, con
   return {indices, priorities};
 }
 
+// sample(batch_size) on the CPU: the uniforms come from counter_uniform(seed, k) inside the op,
+// which at B=4096 saves ~30-40 us of torch.rand (a tenth of a sample-then-update at N=2^20).
+std::tuple<at::Tensor, at::Tensor> tree_sample_seeded_cpu(const at::Tensor& leaves, const at::Tensor& sums,
+                                                          int64_t seed, int64_t batch_size, int64_t capacity,
+                                                          bool stratified) {
+  check_sample_storage(leaves, sums, capacity);
+  TORCH_CHECK_VALUE(batch_size >= 0, "batch_size must be >= 0, got ", batch_size);
+  at::Tensor indices = at::empty({batch_size}, leaves.options().dtype(at::kLong));
+  at::Tensor priorities = at::empty({batch_size}, leaves.options());
+  if (batch_size == 0) return {indices, priorities};
+  const double total = sums.data_ptr<double>()[0];
+  TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
+  std::vector<double> u(static_cast<size_t>(batch_size));
+  for (int64_t k = 0; k < batch_size; ++k) u[k] = tree::counter_uniform(static_cast<uint64_t>(seed), k);
+  const tree::Layout L = tree::make_layout(capacity);
+  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_seeded_cpu", [&] {
+    tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), u.data(), batch_size, stratified,
+                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), threads_for_call());
+  });
+  return {indices, priorities};
+}
+
 at::Tensor tree_get_cpu(const at::Tensor& leaves, const at::Tensor& indices_in, int64_t capacity) {
   check_indices(indices_in, leaves);
   TORCH_CHECK(capacity >= 1 && leaves.dim() == 1 && leaves.numel() >= capacity,
@@ -104,6 +128,7 @@ at::Tensor tree_root(const at::Tensor& levels) {
 TORCH_LIBRARY_IMPL(torchreplay, CPU, m) {
   m.impl("tree_update", &tree_update_cpu);
   m.impl("tree_sample", &tree_sample_cpu);
+  m.impl("tree_sample_seeded", &tree_sample_seeded_cpu);
   m.impl("tree_get", &tree_get_cpu);
   m.impl("tree_rebuild", &tree_rebuild_cpu);
 }
