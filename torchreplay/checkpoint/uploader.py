@@ -183,8 +183,6 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
         os.nice(int(nice))
     except OSError:
         pass
-    if os.environ.get("TR_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     if cpus:
         try:
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
