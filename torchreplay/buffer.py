@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
 from torchreplay.storage import CorruptRows, TieredStorage
+from torchreplay.storage.tiered import row_base
 
 if TYPE_CHECKING:
     from torchreplay.checkpoint import Checkpointer
@@ -637,9 +637,8 @@ class RolloutBuffer:
         sources, source, index = gather.sources, gather.source, gather.index
         # Per row: where its tokens start in its source and how many there are, from the sources'
         # offsets laid end to end (each source has n + 1 of them).
-        offset_base = torch.tensor([0, *itertools.accumulate(b.n + 1 for b in sources)][:-1], dtype=torch.int64)
         offsets = torch.cat([b.offsets for b in sources]) if sources else torch.zeros(1, dtype=torch.int64)
-        at = offset_base[source] + index
+        at = row_base(sources, 1)[source] + index
         starts = offsets[at]
         lengths = offsets[at + 1] - starts
         width = int(lengths.max()) if n else 0
@@ -663,14 +662,14 @@ class RolloutBuffer:
             if n:
                 ops.pad_rows(values, source, field_starts, field_lengths, dest, out, left, fill)
             data[name] = out
-        row_base = torch.tensor([0, *itertools.accumulate(b.n for b in sources)][:-1], dtype=torch.int64)
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
+        rollout_rows = row_base(sources, 0)[source] + index if extra_rollout else None
         for name in extra_rollout:
             spec = self.fields[name]
             columns = [b.rollout.get(name) for b in sources]
             columns = [torch.zeros((b.n, *spec.shape), dtype=spec.dtype) if c is None else c
                        for b, c in zip(sources, columns)]
-            data[name] = torch.cat(columns)[row_base[source] + index] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
+            data[name] = torch.cat(columns)[rollout_rows] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
         data["attention_mask"] = valid
         data.update(plan.meta)
         return ReplayBatch(

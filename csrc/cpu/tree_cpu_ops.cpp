@@ -50,6 +50,22 @@ void tree_update_cpu(at::Tensor& leaves, at::Tensor& sums, at::Tensor& mins, con
   });
 }
 
+// Both sampling ops after their own checks: n uniforms in [0, 1) at `u` -> (indices, priorities).
+std::tuple<at::Tensor, at::Tensor> sample_checked(const at::Tensor& leaves, const at::Tensor& sums, const double* u,
+                                                  int64_t n, int64_t capacity, bool stratified) {
+  at::Tensor indices = at::empty({n}, leaves.options().dtype(at::kLong));
+  at::Tensor priorities = at::empty({n}, leaves.options());
+  if (n == 0) return {indices, priorities};
+  const double total = sums.data_ptr<double>()[0];
+  TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
+  const tree::Layout L = tree::make_layout(capacity);
+  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_cpu", [&] {
+    tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), u, n, stratified,
+                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), threads_for_call());
+  });
+  return {indices, priorities};
+}
+
 std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, const at::Tensor& sums,
                                                    const at::Tensor& u_in, int64_t capacity, bool stratified) {
   check_sample_storage(leaves, sums, capacity);
@@ -59,18 +75,7 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_cpu(const at::Tensor& leaves, con
   for (int64_t i = 0; i < u.numel(); ++i) {
     TORCH_CHECK_VALUE(tree::valid_uniform(uv[i]), "u[", i, "] = ", uv[i], " is outside [0, 1)");
   }
-  const int64_t n = u.numel();
-  at::Tensor indices = at::empty({n}, leaves.options().dtype(at::kLong));
-  at::Tensor priorities = at::empty({n}, leaves.options());
-  if (n == 0) return {indices, priorities};
-  const double total = sums.data_ptr<double>()[0];
-  TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
-  const tree::Layout L = tree::make_layout(capacity);
-  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_cpu", [&] {
-    tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), uv, n, stratified,
-                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), threads_for_call());
-  });
-  return {indices, priorities};
+  return sample_checked(leaves, sums, uv, u.numel(), capacity, stratified);
 }
 
 // sample(batch_size) on the CPU: the uniforms come from counter_uniform(seed, k) inside the op,
@@ -80,19 +85,9 @@ std::tuple<at::Tensor, at::Tensor> tree_sample_seeded_cpu(const at::Tensor& leav
                                                           bool stratified) {
   check_sample_storage(leaves, sums, capacity);
   TORCH_CHECK_VALUE(batch_size >= 0, "batch_size must be >= 0, got ", batch_size);
-  at::Tensor indices = at::empty({batch_size}, leaves.options().dtype(at::kLong));
-  at::Tensor priorities = at::empty({batch_size}, leaves.options());
-  if (batch_size == 0) return {indices, priorities};
-  const double total = sums.data_ptr<double>()[0];
-  TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
   std::vector<double> u(static_cast<size_t>(batch_size));
   for (int64_t k = 0; k < batch_size; ++k) u[k] = tree::counter_uniform(static_cast<uint64_t>(seed), k);
-  const tree::Layout L = tree::make_layout(capacity);
-  AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_seeded_cpu", [&] {
-    tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), u.data(), batch_size, stratified,
-                      indices.data_ptr<int64_t>(), priorities.data_ptr<scalar_t>(), threads_for_call());
-  });
-  return {indices, priorities};
+  return sample_checked(leaves, sums, u.data(), batch_size, capacity, stratified);
 }
 
 at::Tensor tree_get_cpu(const at::Tensor& leaves, const at::Tensor& indices_in, int64_t capacity) {

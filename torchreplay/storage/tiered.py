@@ -65,9 +65,10 @@ def _same_layout(shards: list[_Shard], fields: list[str]) -> bool:
                and s.rollout.keys() == first.rollout.keys() for s in shards[1:])
 
 
-def _row_base(shards: list[_Shard], extra: int) -> torch.Tensor:
-    """Where each shard's rows start in the concatenation of per-shard tensors of n + extra rows."""
-    sizes = torch.tensor([0] + [s.n + extra for s in shards[:-1]])
+def row_base(batches: list, extra: int) -> torch.Tensor:
+    """Where each shard's (or batch's) rows start in the concatenation of per-item tensors of
+    n + extra rows (extra=1 for offsets)."""
+    sizes = torch.tensor([0] + [s.n + extra for s in batches[:-1]], dtype=torch.int64)
     return torch.cumsum(sizes, 0)
 
 
@@ -471,25 +472,14 @@ class TieredStorage:
         with self._lock:
             token = shard.token
         if token is not None:
-            self.counters["hot_hits"] += 1
-            self.policy.touched(shard.id)
-            return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout), rows
+            return self._hot_batch(shard, token), rows
         return self._read_cold(shard, rows, [f for f in fields if f in shard.token_fields])
 
-    def fetch_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str]
-                   ) -> list[tuple[PackedBatch, torch.Tensor]]:
-        """`fetch` for several pinned shards; the cold ones are read together in one reader call."""
-        with self._lock:
-            tokens = [shard.token for shard, _ in requests]
-        cold = [i for i, token in enumerate(tokens) if token is None]
-        read = dict(zip(cold, self._read_cold_many([requests[i] for i in cold], fields))) if cold else {}
-        out = []
-        for i, (shard, rows) in enumerate(requests):
-            got = read[i] if i in read else self.fetch(shard, rows, fields)
-            if isinstance(got, CorruptRows):
-                raise got
-            out.append(got)
-        return out
+    def _hot_batch(self, shard: _Shard, token: dict[str, torch.Tensor]) -> PackedBatch:
+        """A hot shard as a batch of itself (no copy), counted as a hit and touched for the policy."""
+        self.counters["hot_hits"] += 1
+        self.policy.touched(shard.id)
+        return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout)
 
     def fetch_slots(self, shards: list[_Shard], shard_of: torch.Tensor, rows: torch.Tensor, fields: list[str]
                     ) -> Gather:
@@ -507,23 +497,22 @@ class TieredStorage:
         source_of_shard = [-1] * len(shards)
         for i, (shard, token) in enumerate(zip(shards, tokens)):
             if token is not None:
-                self.counters["hot_hits"] += 1
-                self.policy.touched(shard.id)
                 source_of_shard[i] = len(sources)
-                sources.append(PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout))
+                sources.append(self._hot_batch(shard, token))
         source = torch.tensor(source_of_shard, dtype=torch.int64)[position]
         index = rows.clone()
         cold = [i for i, token in enumerate(tokens) if token is None]
         if cold and _same_layout([shards[i] for i in cold], fields):
             is_cold = source < 0
             at = is_cold.nonzero().flatten()
-            which = torch.tensor([-1] * len(shards), dtype=torch.int64)
-            which[cold] = torch.arange(len(cold))
+            cold_index = torch.full((len(shards),), -1, dtype=torch.int64)
+            cold_index[cold] = torch.arange(len(cold))
+            which = cold_index[position[at]]  # each cold row's shard, as an index into cold_shards
             cold_shards = [shards[i] for i in cold]
-            offsets, values, failures = self._read_cold_rows(cold_shards, which[position[at]], rows[at], fields)
+            offsets, values, failures = self._read_cold_rows(cold_shards, which, rows[at], fields)
             for i in sorted(failures):
                 raise failures[i]
-            where_rows = _row_base(cold_shards, 0)[which[position[at]]] + rows[at]
+            where_rows = row_base(cold_shards, 0)[which] + rows[at]
             rollout = {name: torch.cat([s.rollout[name] for s in cold_shards])[where_rows]
                        for name in cold_shards[0].rollout}
             source[at] = len(sources)
@@ -602,7 +591,7 @@ class TieredStorage:
             if bool((rows < 0).any()) or bool((rows >= limit).any()):
                 raise StorageError("cold read of rows outside their shard")
         starts_ends = torch.cat([s.offsets for s in shards])
-        g = _row_base(shards, 1)[which] + rows
+        g = row_base(shards, 1)[which] + rows
         starts, ends = starts_ends[g], starts_ends[g + 1]
         offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
         torch.cumsum(ends - starts, 0, out=offsets[1:])
