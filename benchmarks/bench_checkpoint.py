@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import torchreplay as tr
@@ -47,27 +47,37 @@ def make_batch(n: int, length: int, version: int, seed: int) -> dict:
     }
 
 
-def pct(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--interval", type=float, default=1.0,
                         help="seconds between manifests in the 'with' run (real runs use 60-300)")
-    parser.add_argument("--reps", type=int, default=3, help="alternating without/with latency runs per arm")
+    parser.add_argument("--blocks", type=int, default=40, help="blocks of calls per buffer, alternating (ABBA)")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="resamples for the inflation's 90%% interval")
+    parser.add_argument("--block-calls", type=int, default=100, help="add + sample calls per block")
+    parser.add_argument("--block-warmup", type=int, default=10,
+                        help="calls at the start of each block that are not recorded")
+    parser.add_argument("--hot-mib", type=int, default=256, help="hot tier budget of each buffer")
     parser.add_argument("--pin", action="store_true",
                         help="trainer (this process) on the first CPU; the upload helper (helper_cpus) and the "
                              "S3 server on the last, in both arms")
+    parser.add_argument("--isolate-server", action="store_true",
+                        help="the S3 server alone on the last CPU, the trainer and the upload helper on the others, "
+                             "in both arms: the stand-in endpoint's request handling then costs the trainer no CPU, "
+                             "as a remote endpoint's would not, while everything torchreplay runs still competes")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="simulated training step after each add + sample: the trainer thread waits (on the "
                              "GPU, in a real run) and uses no CPU. 0 = back-to-back calls, which produce shards faster "
                              "than the S3 server here can take them, so uploads fall ever further behind")
     parser.add_argument("--out", default="benchmarks/results/bench_checkpoint.md")
     args = parser.parse_args()
+    if args.quick:
+        args.blocks, args.block_calls = 4, 30
     cpus = sorted(os.sched_getaffinity(0))
     trainer_cpus, background_cpus = ({cpus[0]}, [cpus[-1]]) if args.pin and len(cpus) > 1 else (set(cpus), None)
+    server_cpus = background_cpus or cpus
+    if args.isolate_server and len(cpus) > 1:
+        trainer_cpus, server_cpus = set(cpus[:-1]), [cpus[-1]]
     os.sched_setaffinity(0, trainer_cpus)
     torch.set_num_threads(1)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
@@ -82,7 +92,7 @@ def main() -> int:
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              preexec_fn=lambda: (os.nice(19), os.sched_setaffinity(0, background_cpus or cpus)))
+                              preexec_fn=lambda: (os.nice(19), os.sched_setaffinity(0, server_cpus)))
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -97,7 +107,7 @@ def main() -> int:
     client.create_bucket(Bucket="bench-ckpt")
     steps, n, length = (4, 128, 1024) if args.quick else (8, 512, 1024)
     results: dict = {"load_average": os.getloadavg()[0], "trainer_cpus": sorted(trainer_cpus), "step_ms": args.step_ms,
-                     "background_cpus": background_cpus, "steps": steps, "rollouts_per_step": n, "tokens": length}
+                     "background_cpus": background_cpus, "server_cpus": server_cpus, "steps": steps, "rollouts_per_step": n, "tokens": length}
 
     # 1. upload throughput
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,77 +136,101 @@ def main() -> int:
                          "raw_put_object_MBps": shard_bytes / raw_s / 1e6, "ratio": raw_s / ckpt_s}
 
     # 2. latency with and without a checkpoint in flight
-    def latency_run(in_flight: bool) -> dict:
-        """Without: no checkpointer at all. With: every sealed shard is uploaded and a manifest is
-        published every `--interval` seconds from inside the buffer calls, as in a real run."""
+    def latency() -> dict:
+        """Two buffers in this process, driven in alternating blocks of calls: one without a
+        checkpointer, one whose every sealed shard is uploaded and which publishes a manifest every
+        `--interval` seconds from inside its calls, as in a real run. This machine's speed drifts by
+        tens of percent within a minute, so separate runs per arm compare different machines; blocks
+        of ~1.5 s in ABBA order see the same drift. The first calls of each block are not recorded,
+        so uploads left over from the other buffer's block do not count against this one."""
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Checkpointer("s3://bench-ckpt/lat", interval_s=args.interval, endpoint_url=endpoint,
-                                helper_cpus=background_cpus) if in_flight else None
-            buf = tr.RolloutBuffer(64 * 64, sampler=tr.PrioritizedSampler(), checkpoint=ckpt, seed=0,
-                                   storage=tr.TieredStorage(hot_bytes=256 << 20, spill_dir=tmp, io="posix"))
-            for s in range(8):
-                buf.add(make_batch(64, 512, 0, 100 + s))
-            add_lat, sample_lat = [], []
-            calls = 100 if args.quick else 1000
-            for i in range(calls):
-                batch = make_batch(64, 512, 0, 1000 + i)
-                t0 = time.perf_counter()
-                buf.add(batch)
-                t1 = time.perf_counter()
-                buf.sample(64)
-                t2 = time.perf_counter()
-                add_lat.append(t1 - t0)
-                sample_lat.append(t2 - t1)
-                if args.step_ms:
-                    time.sleep(args.step_ms / 1e3)
+                                helper_cpus=background_cpus)
+            buffers = {}
+            for arm in ("without", "with"):
+                os.makedirs(f"{tmp}/{arm}")
+                buffers[arm] = tr.RolloutBuffer(
+                    64 * 64, sampler=tr.PrioritizedSampler(), checkpoint=ckpt if arm == "with" else None, seed=0,
+                    storage=tr.TieredStorage(hot_bytes=args.hot_mib << 20, spill_dir=f"{tmp}/{arm}", io="posix"))
+                for s in range(8):
+                    buffers[arm].add(make_batch(64, 512, 0, 100 + s))
+            # blocks[arm][op][k]: the recorded latencies of block k of that buffer
+            blocks = {arm: {"add": [], "sample": []} for arm in buffers}
+            seed = 1000
+            for block in range(args.blocks):
+                for arm in ("without", "with") if block % 4 in (0, 3) else ("with", "without"):
+                    buf = buffers[arm]
+                    adds, samples = [], []
+                    for i in range(args.block_calls):
+                        batch = make_batch(64, 512, 0, seed)
+                        seed += 1
+                        t0 = time.perf_counter()
+                        buf.add(batch)
+                        t1 = time.perf_counter()
+                        buf.sample(64)
+                        t2 = time.perf_counter()
+                        if i >= args.block_warmup:
+                            adds.append(t1 - t0)
+                            samples.append(t2 - t1)
+                        if args.step_ms:
+                            time.sleep(args.step_ms / 1e3)
+                    blocks[arm]["add"].append(adds)
+                    blocks[arm]["sample"].append(samples)
+            buffers["without"].close()
             t_end = time.perf_counter()
-            buf.close()  # publishes a last manifest: waits for every upload
+            buffers["with"].close()  # publishes a last manifest: waits for every upload
             drain_s = time.perf_counter() - t_end
-            published = len(ckpt.published) if ckpt else 0
-        return {"manifests": published, "close_s": drain_s, "add_p50_ms": 1e3 * statistics.median(add_lat),
-                "add_p99_ms": 1e3 * pct(add_lat, 0.99),
-                "sample_p50_ms": 1e3 * statistics.median(sample_lat), "sample_p99_ms": 1e3 * pct(sample_lat, 0.99)}
+        out: dict = {"manifests": len(ckpt.published), "close_s": drain_s,
+                     "calls_per_arm": sum(len(b) for b in blocks["with"]["add"])}
+        rng = np.random.default_rng(0)
+        for op in ("add", "sample"):
+            for arm in buffers:
+                values = np.concatenate(blocks[arm][op])
+                out[f"{op}_p50_ms_{arm}"] = 1e3 * float(np.median(values))
+                out[f"{op}_p99_ms_{arm}"] = 1e3 * float(np.quantile(values, 0.99))
+            out[f"{op}_p99_inflation"] = out[f"{op}_p99_ms_with"] / out[f"{op}_p99_ms_without"] - 1
+            # 90% interval by a paired block bootstrap: resample block k of both buffers together
+            # (they ran seconds apart, under the same drift), recompute the pooled p99 ratio.
+            ratios = []
+            for _ in range(args.bootstrap):
+                pick = rng.integers(0, args.blocks, args.blocks)
+                with_p99 = np.quantile(np.concatenate([blocks["with"][op][k] for k in pick]), 0.99)
+                without_p99 = np.quantile(np.concatenate([blocks["without"][op][k] for k in pick]), 0.99)
+                ratios.append(with_p99 / without_p99 - 1)
+            out[f"{op}_p99_inflation_ci90"] = [float(np.quantile(ratios, 0.05)), float(np.quantile(ratios, 0.95))]
+        return out
 
-    # Alternate the arms so that drift in the machine's load hits both alike; report each arm's
-    # median over repetitions (a p99 over 1000 calls is the 10th-slowest call: one run is noisy).
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.reps):
-        for in_flight in (False, True):
-            runs[in_flight].append(latency_run(in_flight))
-
-    def median_run(arm: list[dict]) -> dict:
-        return {k: statistics.median(r[k] for r in arm) for k in arm[0]}
-
-    quiet, busy = median_run(runs[False]), median_run(runs[True])
-    results["latency_runs"] = {"without": runs[False], "with": runs[True]}
-    results["latency"] = {"without": quiet, "with": busy,
-                          "add_p99_inflation": busy["add_p99_ms"] / quiet["add_p99_ms"] - 1,
-                          "sample_p99_inflation": busy["sample_p99_ms"] / quiet["sample_p99_ms"] - 1}
+    results["latency"] = lat = latency()
     server.terminate()
     server.wait()
-    u, lat = results["upload"], results["latency"]
+    u = results["upload"]
     lines = [
         "# Checkpoint benchmark (loopback moto S3)", "",
         f"load average at start: {results['load_average']:.2f}; {steps} shards of {n} rollouts x {length} tokens; "
         + (f"trainer on CPU {sorted(trainer_cpus)}, upload helper and S3 server on CPU {background_cpus} (--pin)"
-           if background_cpus else "no CPU placement (all processes on every CPU)"), "",
+           if background_cpus else
+           f"S3 server alone on CPU {server_cpus}, trainer and upload helper on CPU {sorted(trainer_cpus)} "
+           "(--isolate-server)" if args.isolate_server else "no CPU placement (all processes on every CPU)"), "",
         "| upload | MB/s |", "|---|---:|",
         f"| Checkpointer upload path (helper process, S3Store.put_file) | {u['checkpointer_MBps']:.1f} |",
         f"| raw boto3 put_object, same bytes | {u['raw_put_object_MBps']:.1f} |",
         f"| ratio (Checkpointer / raw) | {u['ratio']:.2f} |", "",
-        f"Latency: median over {args.reps} alternating runs per arm of {100 if args.quick else 1000} add + sample calls (64 rollouts x 512 tokens each, tiered "
-        f"storage); 'without' has no checkpointer; 'with' uploaded every sealed shard (one per add) and "
-        f"published {busy['manifests']:g} manifests (interval {args.interval:g} s, counting the one on close). "
+        f"Latency: {lat['calls_per_arm']} recorded add + sample calls per arm (64 rollouts x 512 tokens each, "
+        f"tiered storage with a {args.hot_mib} MiB hot budget), two buffers driven in {args.blocks} alternating "
+        f"blocks of {args.block_calls} calls (ABBA order; the first {args.block_warmup} of each block not recorded). "
+        f"'without' has no checkpointer; 'with' uploaded every sealed shard (one per add) and published "
+        f"{lat['manifests']} manifests (interval {args.interval:g} s, counting the one on close). "
         + (f"Each add + sample is followed by a simulated {args.step_ms:g} ms training step (the trainer thread "
            f"sleeps, as it waits on the GPU in a real run)" if args.step_ms else
            "Calls run back to back (--step-ms 0): shards are produced faster than the server takes them")
-        + f"; close() then waited {busy['close_s']:.1f} s for the uploads to finish.", "",
-        "| latency (ms) | p50 without | p50 with | p99 without | p99 with | p99 inflation |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| add | {lat['without']['add_p50_ms']:.2f} | {lat['with']['add_p50_ms']:.2f} | {lat['without']['add_p99_ms']:.2f} "
-        f"| {lat['with']['add_p99_ms']:.2f} | {100 * lat['add_p99_inflation']:+.1f}% |",
-        f"| sample | {lat['without']['sample_p50_ms']:.2f} | {lat['with']['sample_p50_ms']:.2f} | "
-        f"{lat['without']['sample_p99_ms']:.2f} | {lat['with']['sample_p99_ms']:.2f} | {100 * lat['sample_p99_inflation']:+.1f}% |",
+        + f"; close() then waited {lat['close_s']:.1f} s for the uploads to finish.", "",
+        "| latency (ms) | p50 without | p50 with | p99 without | p99 with | p99 inflation | 90% interval (block bootstrap) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ] + [
+        f"| {op} | {lat[f'{op}_p50_ms_without']:.2f} | {lat[f'{op}_p50_ms_with']:.2f} | "
+        f"{lat[f'{op}_p99_ms_without']:.2f} | {lat[f'{op}_p99_ms_with']:.2f} | {100 * lat[f'{op}_p99_inflation']:+.1f}% | "
+        + " to ".join(f"{100 * x:+.1f}%" for x in lat[f"{op}_p99_inflation_ci90"]) + " |"
+        for op in ("add", "sample")
     ]
     text = "\n".join(lines) + "\n"
     print(text)

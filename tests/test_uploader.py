@@ -136,12 +136,15 @@ def test_helper_reports_errors_and_keeps_serving(tmp_path):
         remote.close()
 
 
-def test_helper_cpus_places_the_helper_and_is_validated(tmp_path):
-    cpu = min(os.sched_getaffinity(0))
+def test_helper_cpus_places_the_helper_and_the_worker_thread_and_is_validated(tmp_path):
+    trainer_cpus = os.sched_getaffinity(0)
+    cpu = max(trainer_cpus)
     ckpt = Checkpointer(f"file://{tmp_path}/ckpt", interval_s=3600, helper_cpus=[cpu])
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
     buf.checkpoint()
     assert os.sched_getaffinity(ckpt._remote._proc.pid) == {cpu}
+    assert os.sched_getaffinity(ckpt._worker.native_id) == {cpu}
+    assert os.sched_getaffinity(0) == trainer_cpus, "the trainer's own placement is left alone"
     buf.close()
     for bad in ([], [-1], ["0"], [True], [10_000]):
         with pytest.raises(ValueError, match="helper_cpus"):

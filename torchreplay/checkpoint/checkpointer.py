@@ -73,9 +73,10 @@ class Checkpointer:
         keep_last: manifests retained; older ones and shards only they named are deleted.
         endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
         retry_budget_s: how long one object may keep failing before the error surfaces.
-        helper_cpus: CPUs the upload helper process may run on (default: anywhere, at nice 10),
-            for hosts whose cores are partitioned between trainer, data loaders and I/O. On the
-            2-core benchmark machine it did not lower the trainer's p99 (docs/benchmarks.md).
+        helper_cpus: CPUs the upload helper process and the checkpoint worker thread may run on
+            (default: anywhere, the helper at nice 10), for hosts whose cores are partitioned
+            between trainer, data loaders and I/O. Keep the trainer off them: sharing its CPU and
+            caches with the uploads is what raises its p99 latency (docs/benchmarks.md).
     """
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
@@ -93,6 +94,7 @@ class Checkpointer:
                 raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
         self.uri = uri
         self.store: ObjectStore = open_store(uri, endpoint_url)  # reads from this process
+        self._helper_cpus = set(helper_cpus or [])
         self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=list(helper_cpus or []))  # writes, from the helper
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
@@ -179,6 +181,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------- worker thread
     def _run(self) -> None:
+        if self._helper_cpus:
+            # This thread only packs state and waits on the helper: it belongs with the helper,
+            # away from the trainer's CPU and caches (sched_setaffinity(0) is this thread only).
+            try:
+                os.sched_setaffinity(0, self._helper_cpus)
+            except OSError:
+                pass  # a placement hint; checkpoints work anywhere
         try:
             self._remote.start()  # from this thread: the helper lives exactly as long as it does
         except OSError as exc:
