@@ -3,11 +3,13 @@
 1. upload throughput of the Checkpointer (shards + state + manifest) against raw boto3
    `put_object` of the same bytes to the same server, as a ratio;
 2. p50/p99 latency of `add` and `sample` with and without a checkpoint in flight (target: p99
-   inflation at most 5%).
+   inflation at most 5%): two buffers in one process, driven in alternating blocks, the
+   inflation's 90% interval from a paired block bootstrap.
 
 The S3 server (moto) runs in a separate process.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--out benchmarks/results/bench_checkpoint.md]
+    python benchmarks/bench_checkpoint.py [--quick] [--pin | --isolate-server] [--blocks 40]
+        [--out benchmarks/results/bench_checkpoint.md]
 """
 
 from __future__ import annotations
