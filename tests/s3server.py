@@ -29,6 +29,7 @@ class Faults:
         self.requests = 0
         self.injected = 0
         self.get_bytes = 0  # response bytes of GETs relayed, to check what a lazy restore downloads
+        self.seen: list[tuple[str, str]] = []  # (method, path with query) of every request
 
     def take_failure(self) -> int | None:
         with self.lock:
@@ -57,6 +58,8 @@ class S3Server:
                 pass
 
             def _relay(self) -> None:
+                with upstream.faults.lock:
+                    upstream.faults.seen.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 status = upstream.faults.take_failure()

@@ -13,9 +13,10 @@ from torchreplay.storage import TieredStorage
 pytestmark = pytest.mark.s3
 
 
-def s3_buffer(s3_server, bucket, tmp_path, retry_budget_s=30.0, **kw):
+def s3_buffer(s3_server, bucket, tmp_path, retry_budget_s=30.0, multipart_bytes=64 << 20, **kw):
     uri = f"s3://{bucket}/run1"
-    ckpt = Checkpointer(uri, interval_s=3600, endpoint_url=s3_server.endpoint_url, retry_budget_s=retry_budget_s)
+    ckpt = Checkpointer(uri, interval_s=3600, endpoint_url=s3_server.endpoint_url, retry_budget_s=retry_budget_s,
+                        multipart_bytes=multipart_bytes)
     buf = tr.RolloutBuffer(64, sampler=tr.PrioritizedSampler(alpha=0.7), max_reuse=4, seed=3, checkpoint=ckpt,
                            storage=TieredStorage(hot_bytes=1 << 20, spill_dir=tmp_path / "spill", io="posix"), **kw)
     return uri, buf
@@ -34,12 +35,16 @@ def assert_resume_matches(buf, uri, s3_server, tmp_path):
 
 
 def test_s3_round_trip_with_multipart_shards(s3_server, s3_bucket, tmp_path):
-    uri, buf = s3_buffer(s3_server, s3_bucket, tmp_path)
-    buf.checkpointer.store.transfer.multipart_threshold = 5 << 20
-    buf.checkpointer.store.transfer.multipart_chunksize = 5 << 20
+    # The uploads run in the helper process: the part size must reach it through the Checkpointer.
+    uri, buf = s3_buffer(s3_server, s3_bucket, tmp_path, multipart_bytes=5 << 20)
+    s3_server.faults.seen.clear()
     buf.add(make_batch(40, seed=1, min_len=20_000, max_len=30_000))  # ~12 MB shard: 3 parts
     buf.add(make_batch(16, seed=2))
     buf.checkpoint()
+    seen = list(s3_server.faults.seen)
+    shard_parts = [p for m, p in seen if m == "PUT" and "/shards/" in p and "partNumber=" in p]
+    assert any(m == "POST" and "/shards/" in p and "uploads" in p for m, p in seen), "no multipart upload started"
+    assert len(shard_parts) >= 3, shard_parts
     store = open_store(uri, s3_server.endpoint_url)
     assert read_manifest(store)["rollouts"] == 56
     assert_resume_matches(buf, uri, s3_server, tmp_path)

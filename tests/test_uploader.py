@@ -150,3 +150,7 @@ def test_helper_cpus_places_the_helper_and_the_worker_thread_and_is_validated(tm
         with pytest.raises(ValueError, match="helper_cpus"):
             Checkpointer(f"file://{tmp_path}/never", helper_cpus=bad)
     assert not (tmp_path / "never").exists()  # refused before anything was created
+    for bad in (0, 1 << 20, True, 5.5e6, "64MiB"):
+        with pytest.raises(ValueError, match="multipart_bytes"):
+            Checkpointer(f"file://{tmp_path}/never", multipart_bytes=bad)
+    assert not (tmp_path / "never").exists()

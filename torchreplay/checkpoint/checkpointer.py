@@ -77,14 +77,18 @@ class Checkpointer:
             (default: anywhere, the helper at nice 10), for hosts whose cores are partitioned
             between trainer, data loaders and I/O. Keep the trainer off them: sharing its CPU and
             caches with the uploads is what raises its p99 latency (docs/benchmarks.md).
+        multipart_bytes: S3 objects of this size or more are uploaded in parts of this size.
     """
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
-                 retry_budget_s: float = 60.0, helper_cpus: list[int] | None = None) -> None:
+                 retry_budget_s: float = 60.0, helper_cpus: list[int] | None = None,
+                 multipart_bytes: int = 64 << 20) -> None:
         if not (isinstance(interval_s, (int, float)) and interval_s > 0):
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        if isinstance(multipart_bytes, bool) or not isinstance(multipart_bytes, int) or multipart_bytes < 5 << 20:
+            raise ValueError(f"multipart_bytes must be an int >= 5 MiB (S3's smallest part), got {multipart_bytes!r}")
         if helper_cpus is not None:
             if isinstance(helper_cpus, (str, bytes)) or not all(
                     isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
@@ -95,7 +99,8 @@ class Checkpointer:
         self.uri = uri
         self.store: ObjectStore = open_store(uri, endpoint_url)  # reads from this process
         self._helper_cpus = set(helper_cpus or [])
-        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=list(helper_cpus or []))  # writes, from the helper
+        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=list(helper_cpus or []),
+                                   multipart_bytes=multipart_bytes)  # writes, from the helper
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
         self.retry_budget_s = retry_budget_s

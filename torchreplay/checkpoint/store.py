@@ -266,7 +266,8 @@ class S3Store:
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
 
 
-def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
+def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20) -> ObjectStore:
+    """The store at `uri`; `multipart_bytes` is the size from which S3 uploads go in parts."""
     if not isinstance(uri, str):
         raise TypeError(f"checkpoint uri must be a str, got {type(uri).__name__}")
     parsed = urlparse(uri)
@@ -275,7 +276,8 @@ def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
             raise ValueError(f"file URI must be file:///absolute/path, got {uri!r}")
         return FileStore(parsed.path)
     if parsed.scheme == "s3":
-        return S3Store(uri, endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"))
+        return S3Store(uri, endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"),
+                       multipart_bytes=multipart_bytes)
     raise ValueError(f"checkpoint uri must start with s3:// or file://, got {uri!r}")
 
 

@@ -88,10 +88,10 @@ class RemoteStore:
     """
 
     def __init__(self, uri: str, endpoint_url: str | None, retry_budget_s: float, nice: int = 10,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, multipart_bytes: int = 64 << 20) -> None:
         self.uri = uri
         self._args = [uri, endpoint_url or "", repr(float(retry_budget_s)), str(int(nice)),
-                      ",".join(str(c) for c in cpus or [])]
+                      ",".join(str(c) for c in cpus or []), str(int(multipart_bytes))]
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -176,7 +176,8 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nice: str, cpus: str) -> None:
+def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nice: str, cpus: str,
+          multipart_bytes: str) -> None:
     """The helper's loop: one request, one reply, until end of input."""
     _die_with_parent(int(parent_pid))
     try:
@@ -197,7 +198,7 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
 
     def open_once():
         try:
-            return open_store(uri, endpoint_url or None)
+            return open_store(uri, endpoint_url or None, int(multipart_bytes))
         except OSError as exc:  # e.g. a local directory that cannot be created: maybe transient
             raise CheckpointError(f"cannot open {uri}: {exc}") from exc
 
