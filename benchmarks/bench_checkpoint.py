@@ -8,7 +8,7 @@
 
 The S3 server (moto) runs in a separate process.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--pin | --isolate-server] [--blocks 40]
+    python benchmarks/bench_checkpoint.py [--quick] [--pin] [--blocks 40]
         [--out benchmarks/results/bench_checkpoint.md]
 """
 
@@ -63,10 +63,6 @@ def main() -> int:
     parser.add_argument("--pin", action="store_true",
                         help="trainer (this process) on the first CPU; the upload helper (helper_cpus) and the "
                              "S3 server on the last, in both arms")
-    parser.add_argument("--isolate-server", action="store_true",
-                        help="the S3 server alone on the last CPU, the trainer and the upload helper on the others, "
-                             "in both arms: the stand-in endpoint's request handling then costs the trainer no CPU, "
-                             "as a remote endpoint's would not, while everything torchreplay runs still competes")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="simulated training step after each add + sample: the trainer thread waits (on the "
                              "GPU, in a real run) and uses no CPU. 0 = back-to-back calls, which produce shards faster "
@@ -78,8 +74,6 @@ def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     trainer_cpus, background_cpus = ({cpus[0]}, [cpus[-1]]) if args.pin and len(cpus) > 1 else (set(cpus), None)
     server_cpus = background_cpus or cpus
-    if args.isolate_server and len(cpus) > 1:
-        trainer_cpus, server_cpus = set(cpus[:-1]), [cpus[-1]]
     os.sched_setaffinity(0, trainer_cpus)
     torch.set_num_threads(1)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
@@ -210,9 +204,7 @@ def main() -> int:
         "# Checkpoint benchmark (loopback moto S3)", "",
         f"load average at start: {results['load_average']:.2f}; {steps} shards of {n} rollouts x {length} tokens; "
         + (f"trainer on CPU {sorted(trainer_cpus)}, upload helper and S3 server on CPU {background_cpus} (--pin)"
-           if background_cpus else
-           f"S3 server alone on CPU {server_cpus}, trainer and upload helper on CPU {sorted(trainer_cpus)} "
-           "(--isolate-server)" if args.isolate_server else "no CPU placement (all processes on every CPU)"), "",
+           if background_cpus else "no CPU placement (all processes on every CPU)"), "",
         "| upload | MB/s |", "|---|---:|",
         f"| Checkpointer upload path (helper process, S3Store.put_file) | {u['checkpointer_MBps']:.1f} |",
         f"| raw boto3 put_object, same bytes | {u['raw_put_object_MBps']:.1f} |",

@@ -97,9 +97,9 @@ class Checkpointer:
             if max(helper_cpus) >= (os.cpu_count() or 1):
                 raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
         self.uri = uri
-        self.store: ObjectStore = open_store(uri, endpoint_url)  # reads from this process
+        self.store: ObjectStore = open_store(uri, endpoint_url, multipart_bytes)  # reads from this process
         self._helper_cpus = set(helper_cpus or [])
-        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=list(helper_cpus or []),
+        self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=sorted(self._helper_cpus),
                                    multipart_bytes=multipart_bytes)  # writes, from the helper
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
