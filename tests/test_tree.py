@@ -302,6 +302,20 @@ def test_sampling_an_empty_tree_is_an_error():
         tr.SegmentTree(10).sample(4)
 
 
+def test_sampling_a_tree_whose_sum_overflows_is_an_error():
+    """float64 leaves can each be finite yet sum past the largest float64; sampling then refuses."""
+    t = tr.SegmentTree(10, dtype=torch.float64)
+    t.update(torch.tensor([2, 7]), torch.tensor([1.5e308, 1.5e308], dtype=torch.float64))
+    assert t.total().item() == math.inf
+    with pytest.raises(ValueError, match="largest float64"):
+        t.sample(4)
+    with pytest.raises(ValueError, match="largest float64"):
+        t.sample(u=torch.tensor([0.0, 0.5], dtype=torch.float64))
+    t.update(torch.tensor([7]), torch.tensor([0.0], dtype=torch.float64))
+    idx, _ = t.sample(4)
+    assert idx.tolist() == [2, 2, 2, 2]
+
+
 def test_constructor_validation():
     with pytest.raises(ValueError, match="capacity"):
         tr.SegmentTree(0)

@@ -198,8 +198,12 @@ class SegmentTree:
             u = u.to(torch.float64)
             if self._check_values_here and u.numel() and not bool(((u >= 0) & (u < 1)).all()):
                 raise ValueError("u must lie in [0, 1)")
-        if self._check_values_here and u.numel() and not bool(self.total() > 0):
-            raise ValueError("cannot sample from an empty tree: every priority is 0")
+        if self._check_values_here and u.numel():
+            total = float(self.total())
+            if not total > 0:
+                raise ValueError("cannot sample from an empty tree: every priority is 0")
+            if total == math.inf:
+                raise ValueError("cannot sample: the priorities sum to more than the largest float64; scale them down")
         return _tree_sample(self._leaves, self._sums, u, self.capacity, stratified)
 
     def total(self) -> torch.Tensor:

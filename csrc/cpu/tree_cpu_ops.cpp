@@ -58,6 +58,9 @@ std::tuple<at::Tensor, at::Tensor> sample_checked(const at::Tensor& leaves, cons
   if (n == 0) return {indices, priorities};
   const double total = sums.data_ptr<double>()[0];
   TORCH_CHECK_VALUE(total > 0.0, "cannot sample from an empty tree: every priority is 0");
+  // Only float64 leaves can get here; the descent's child choice assumes finite targets.
+  TORCH_CHECK_VALUE(total < tree::positive_infinity(),
+                    "cannot sample: the priorities sum to more than the largest float64; scale them down");
   const tree::Layout L = tree::make_layout(capacity);
   AT_DISPATCH_FLOATING_TYPES(leaves.scalar_type(), "tree_sample_cpu", [&] {
     tree::cpu::sample(L, leaves.data_ptr<scalar_t>(), sums.data_ptr<double>(), u, n, stratified,

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -253,9 +254,9 @@ void test_large_updates_match_rebuild(int64_t capacity, uint32_t seed) {
   }
 }
 
-// The host's vectorized child choice must give the portable (GPU) one's child and target exactly:
+// The host's counted child choice must give the portable (GPU) one's child and target exactly:
 // groups with zeros, -0.0, denormals, huge and tiny values side by side, targets on and past every
-// prefix boundary.
+// prefix boundary, and an infinite target.
 template <typename value_t>
 void test_choose_child_matches_portable(uint32_t seed) {
   std::mt19937_64 rng(seed);
@@ -269,11 +270,12 @@ void test_choose_child_matches_portable(uint32_t seed) {
     }
     double prefix[kArity + 1] = {0.0};
     for (int c = 0; c < kArity; ++c) prefix[c + 1] = prefix[c] + static_cast<double>(children[c]);
-    const uint64_t how = rng() % 4;
+    const uint64_t how = rng() % 5;
     const double target = how == 0   ? prefix[rng() % (kArity + 1)]
                           : how == 1 ? std::nextafter(prefix[rng() % (kArity + 1)], 0.0)
                           : how == 2 ? prefix[kArity] * (1.0 + unit(rng) * 1e-15)
-                                     : unit(rng) * prefix[kArity];
+                          : how == 3 ? unit(rng) * prefix[kArity]
+                                     : std::numeric_limits<double>::infinity();
     double t_portable = target, t_host = target;
     const int c_portable = choose_child_portable(children, t_portable);
     const int c_host = choose_child(children, t_host);
