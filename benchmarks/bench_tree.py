@@ -380,43 +380,45 @@ def check_indices(idx: Any, n: int) -> None:
 
 
 @dataclass
-class Timing:
-    median_s: float
-    q1_s: float
-    q3_s: float
-    repeats: int
-
-
-@dataclass
 class Budget:
-    """Per-cell limits: stop once both min_repeats and min_time are reached."""
+    """Per-cell limits. A cell's contenders take turns in `rounds` blocks, so each gets about
+    min_time / rounds seconds per block: on a shared machine whose speed drifts by 2x within
+    minutes, timing one contender for a whole cell and then the next measured the drift as much as
+    the contenders, and the ratio of two such cells moved by +-30% between runs."""
 
     min_time: float = 1.0
-    min_repeats: int = 5
+    rounds: int = 8
+    min_repeats: int = 2  # per block
     max_repeats: int = 20000
-    warmup: int = 2
-    # A single call slower than this gets fewer repeats (never below 3).
+    warmup: int = 1  # per block; the cache holds another contender's data when a block starts
+    # A single call slower than this gets one repeat per block.
     slow_call: float = 0.4
 
 
-def measure(fn: Callable[[int], None], budget: Budget) -> Timing:
-    times: list[float] = []
+def measure_block(fn: Callable[[int], None], budget: Budget, first_input: int) -> list[float]:
+    """Per-call seconds of one block: warm-up calls, then until min_repeats and the block's time."""
+    k = first_input
     warm_start = time.perf_counter()
-    for k in range(budget.warmup):
+    for _ in range(budget.warmup):
         fn(k % INPUT_POOL)
+        k += 1
     warm_call = (time.perf_counter() - warm_start) / max(1, budget.warmup)
-    min_repeats = 3 if warm_call > budget.slow_call else budget.min_repeats
+    min_repeats = 1 if warm_call > budget.slow_call else budget.min_repeats
+    block_time = budget.min_time / budget.rounds
+    times: list[float] = []
     spent = 0.0
-    k = budget.warmup
-    while len(times) < budget.max_repeats and (len(times) < min_repeats or spent < budget.min_time):
+    while len(times) < budget.max_repeats and (len(times) < min_repeats or spent < block_time):
         t0 = time.perf_counter()
         fn(k % INPUT_POOL)
         dt = time.perf_counter() - t0
         times.append(dt)
         spent += dt
         k += 1
-    q1, median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-    return Timing(median_s=median, q1_s=q1, q3_s=q3, repeats=len(times))
+    return times
+
+
+def quartiles(times: list[float]) -> tuple[float, float, float]:
+    return tuple(statistics.quantiles(times, n=4)) if len(times) > 1 else (times[0],) * 3
 
 
 def op_call(contender: Contender, op: str, b: int) -> Callable[[int], None]:
@@ -442,6 +444,13 @@ class Cell:
     q1_s: float
     q3_s: float
     repeats: int
+    # Median seconds per call in each round, in round order: the paired samples of the ratio.
+    round_medians_s: list[float] = field(default_factory=list)
+
+
+def round_ratios(ours: Cell, theirs: Cell) -> list[float]:
+    """Per-round speed ratios ours/theirs: both contenders ran in the same round, minutes apart at most."""
+    return [t / o for o, t in zip(ours.round_medians_s, theirs.round_medians_s)]
 
 
 @dataclass
@@ -463,23 +472,31 @@ def fmt_mops(v: float | None) -> str:
 
 
 def render_markdown(report: Report, names: list[str]) -> str:
-    by_key: dict[tuple[int, int, str, str], float] = {(c.n, c.b, c.op, c.contender): c.mops for c in report.cells}
+    by_key: dict[tuple[int, int, str, str], Cell] = {(c.n, c.b, c.op, c.contender): c for c in report.cells}
     keys = sorted({(c.n, c.b, OPS.index(c.op)) for c in report.cells})
-    header = ["N", "B", "op", *names, "torchreplay / torchrl"]
+    header = ["N", "B", "op", *names, "torchreplay / torchrl", "per-round IQR"]
     lines = [
         "# Segment-tree benchmark (CPU)",
         "",
-        "Million ops per second (B ops per call, median over repeats after warmup); higher is better.",
+        "Million ops per second (B ops per call, median over all timed calls); higher is better. The "
+        "contenders of a cell take turns in rounds; the ratio is the median of the per-round ratios, "
+        "with their interquartile range.",
         "",
         "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * (len(names) + 1)) + "|",
+        "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * (len(names) + 2)) + "|",
     ]
     for n, b, op_i in keys:
         op = OPS[op_i]
         vals = [by_key.get((n, b, op, name)) for name in names]
         ours, theirs = by_key.get((n, b, op, "torchreplay")), by_key.get((n, b, op, "torchrl"))
-        ratio = f"{ours / theirs:.2f}x" if ours is not None and theirs else "—"
-        row = [pow2_label(n), str(b), op, *(fmt_mops(v) for v in vals), ratio]
+        ratio, spread = "—", "—"
+        if ours is not None and theirs is not None:
+            ratios = round_ratios(ours, theirs)
+            ratio = f"{statistics.median(ratios):.2f}x"
+            if len(ratios) > 1:
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                spread = f"{q1:.2f}-{q3:.2f}x"
+        row = [pow2_label(n), str(b), op, *(fmt_mops(v.mops if v else None) for v in vals), ratio, spread]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Contenders", ""]
     lines += [f"- **{name}**: {note}" for name, note in report.contenders.items()]
@@ -533,7 +550,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="subset of " + ",".join(c.name for c in CONTENDERS),
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown output (JSON written next to it)")
-    p.add_argument("--min-time", type=float, default=Budget.min_time, help="seconds of timed calls per cell")
+    p.add_argument(
+        "--min-time", type=float, default=Budget.min_time, help="seconds of timed calls per cell and contender"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=Budget.rounds, help="turns the contenders of a cell take (ratio samples)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads",
@@ -546,6 +568,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad_ops = set(args.ops) - set(OPS)
     if bad_ops:
         p.error(f"unknown ops: {sorted(bad_ops)}")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     known = {c.name for c in CONTENDERS}
     if args.contenders and set(args.contenders) - known:
         p.error(f"unknown contenders: {sorted(set(args.contenders) - known)}")
@@ -556,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = args.sizes or list(QUICK_SIZES if args.quick else FULL_SIZES)
     batches = args.batches or list(QUICK_BATCHES if args.quick else FULL_BATCHES)
-    budget = Budget(min_time=args.min_time)
+    budget = Budget(min_time=args.min_time, rounds=args.rounds)
     selected = [c for c in CONTENDERS if not args.contenders or c.name in args.contenders]
 
     if args.threads > 0:
@@ -588,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             **peer_versions(),
             "load average at start": f"{load1:.2f}",
             "seed": args.seed,
-            "min time per cell (s)": budget.min_time,
+            "min time per cell and contender (s)": budget.min_time,
+            "rounds per cell": budget.rounds,
         },
         contenders={c.name: c.note for c in usable},
         skipped=skipped,
@@ -597,29 +622,41 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         prio0 = initial_priorities(n, args.seed)
         inputs_by_b = {b: make_inputs(n, b, args.seed + b) for b in batches}
+        contenders: list[Contender] = []
         for cls in usable:
             t0 = time.perf_counter()
-            contender = cls(n, prio0, args.seed + 1)
+            contenders.append(cls(n, prio0, args.seed + 1))
             print(
                 f"[bench_tree] N={pow2_label(n)} {cls.name}: built in {time.perf_counter() - t0:.2f}s", file=sys.stderr
             )
-            for b in batches:
-                if b > n:
-                    continue
+        for b in batches:
+            if b > n:
+                continue
+            for contender in contenders:
                 contender.set_inputs(inputs_by_b[b])
                 check_indices(contender.sample(b), n)
-                for op in args.ops:
-                    timing = measure(op_call(contender, op, b), budget)
-                    mops = b / timing.median_s / 1e6
+            for op in args.ops:
+                times: list[list[float]] = [[] for _ in contenders]
+                round_medians: list[list[float]] = [[] for _ in contenders]
+                for r in range(budget.rounds):
+                    # Alternate the order (ABBA...) so neither contender always runs first in a round.
+                    order = range(len(contenders)) if r % 2 == 0 else reversed(range(len(contenders)))
+                    for i in order:
+                        block = measure_block(op_call(contenders[i], op, b), budget, first_input=r)
+                        times[i] += block
+                        round_medians[i].append(statistics.median(block))
+                for contender, cell_times, medians in zip(contenders, times, round_medians):
+                    q1, median, q3 = quartiles(cell_times)
+                    mops = b / median / 1e6
                     report.cells.append(
-                        Cell(n, b, op, cls.name, mops, timing.median_s, timing.q1_s, timing.q3_s, timing.repeats)
+                        Cell(n, b, op, contender.name, mops, median, q1, q3, len(cell_times), medians)
                     )
                     print(
-                        f"[bench_tree]   B={b:<6} {op:<19} {mops:10.3f} Mops/s "
-                        f"({timing.median_s * 1e3:.3f} ms/call, {timing.repeats} reps)",
+                        f"[bench_tree]   B={b:<6} {op:<19} {contender.name:<12} {mops:10.3f} Mops/s "
+                        f"({median * 1e3:.3f} ms/call, {len(cell_times)} reps)",
                         file=sys.stderr,
                     )
-            del contender
+        del contenders
     report.meta["wall time (s)"] = round(time.perf_counter() - started, 1)
 
     names = [c.name for c in CONTENDERS if c in selected]
