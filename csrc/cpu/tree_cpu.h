@@ -102,11 +102,16 @@ inline void cut_stream(const Layout& L, const int64_t* keys, int64_t count, int6
   cut[chunks] = count;
 }
 
+// An unsorted update finds its touched bottom nodes through a bitmap (one bit per node, zeroed and
+// scanned a word at a time) while that has at most this many words per index, else by sorting the
+// nodes: at 2^16 leaves and B=256 the earlier byte map cost more than the whole rest of the update.
+constexpr int64_t kBitmapWordsPerIndex = 16;
+
 // Batched update. Leaves are written in input order, so for duplicate indices the last occurrence
 // wins. Then every touched ancestor is recomputed once, from a sorted stream of touched bottom
 // nodes: stratified samples come back sorted, so sample-then-update streams the indices themselves
 // (each chunk writes its own leaves first); otherwise the bottom nodes are sorted and de-duplicated
-// first, through a bitmap when the batch is large next to the tree (O(n + nodes)), else a sort.
+// first, through a bitmap when the batch is not tiny next to the tree (O(n + nodes / 64)), else a sort.
 //
 // A long stream is cut into chunks at boundaries of level-`split` nodes, so that below that level
 // no node is shared between chunks and the chunks run in parallel; the few nodes above it are then
@@ -129,11 +134,15 @@ void update(const Layout& L, scalar_t* leaves, double* sums, double* mins, const
       leaves[indices[i]] = priorities[i];
     }
     nodes.reserve(static_cast<size_t>(std::min<int64_t>(n, L.level_nodes[bottom])));
-    if (L.level_nodes[bottom] <= 32 * n) {
-      std::vector<uint8_t> touched(static_cast<size_t>(L.level_nodes[bottom]), 0);
-      for (int64_t i = 0; i < n; ++i) touched[indices[i] / kArity] = 1;
-      for (int64_t j = 0; j < L.level_nodes[bottom]; ++j) {
-        if (touched[j]) nodes.push_back(j);
+    const int64_t words = ceil_div(L.level_nodes[bottom], 64);
+    if (words <= kBitmapWordsPerIndex * n) {
+      std::vector<uint64_t> touched(static_cast<size_t>(words), 0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t node = indices[i] / kArity;
+        touched[node >> 6] |= uint64_t{1} << (node & 63);
+      }
+      for (int64_t w = 0; w < words; ++w) {
+        for (uint64_t bits = touched[w]; bits != 0; bits &= bits - 1) nodes.push_back(w * 64 + __builtin_ctzll(bits));
       }
     } else {
       nodes.resize(static_cast<size_t>(n));
