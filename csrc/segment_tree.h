@@ -21,6 +21,14 @@
 
 #include <cstdint>
 
+// Host-only SSE2 (baseline x86-64, so no dispatch) for the minimum of a group of children.
+#if !defined(__CUDACC__) && defined(__SSE2__)
+#define TR_HOST_SSE2 1
+#include <emmintrin.h>
+#else
+#define TR_HOST_SSE2 0
+#endif
+
 #if defined(__CUDACC__)
 #define TR_HD __host__ __device__ __forceinline__
 #define TR_UNROLL _Pragma("unroll")
@@ -88,6 +96,66 @@ TR_HD int64_t cover_of_level(const Layout& L, int d) {
 
 TR_HD double positive_infinity() { return __builtin_huge_val(); }
 
+// The smallest positive value of a group of K children (+inf if none), and the smallest of K mins.
+// A minimum is exact in any order, so the host computes it in SSE lanes (baseline x86-64) and the
+// GPU one by one, with the same result. On the host this is a third of the bottom level's
+// recompute instructions; the update of a small batch is bound by them.
+template <typename value_t>
+TR_HD double live_min_portable(const value_t* children) {
+  double lowest = positive_infinity();
+TR_UNROLL
+  for (int c = 0; c < kArity; ++c) {
+    const double v = static_cast<double>(children[c]);
+    if (v > 0.0 && v < lowest) lowest = v;
+  }
+  return lowest;
+}
+
+TR_HD double min_portable(const double* mins) {
+  double lowest = positive_infinity();
+TR_UNROLL
+  for (int c = 0; c < kArity; ++c) lowest = mins[c] < lowest ? mins[c] : lowest;
+  return lowest;
+}
+
+#if TR_HOST_SSE2
+inline double live_min(const float* children) {
+  const __m128 zero = _mm_setzero_ps();
+  const __m128 inf = _mm_set1_ps(__builtin_huge_valf());
+  __m128 lanes[2] = {_mm_loadu_ps(children), _mm_loadu_ps(children + 4)};
+  for (__m128& v : lanes) {
+    const __m128 live = _mm_cmpgt_ps(v, zero);
+    v = _mm_or_ps(_mm_and_ps(live, v), _mm_andnot_ps(live, inf));
+  }
+  __m128 m = _mm_min_ps(lanes[0], lanes[1]);
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+  return static_cast<double>(_mm_cvtss_f32(m));
+}
+
+inline double live_min(const double* children) {
+  const __m128d zero = _mm_setzero_pd();
+  const __m128d inf = _mm_set1_pd(__builtin_huge_val());
+  __m128d m = inf;
+  for (int i = 0; i < kArity / 2; ++i) {
+    const __m128d v = _mm_loadu_pd(children + 2 * i);
+    const __m128d live = _mm_cmpgt_pd(v, zero);
+    m = _mm_min_pd(m, _mm_or_pd(_mm_and_pd(live, v), _mm_andnot_pd(live, inf)));
+  }
+  return _mm_cvtsd_f64(_mm_min_sd(m, _mm_unpackhi_pd(m, m)));
+}
+
+inline double group_min(const double* mins) {
+  const __m128d m = _mm_min_pd(_mm_min_pd(_mm_loadu_pd(mins), _mm_loadu_pd(mins + 2)),
+                               _mm_min_pd(_mm_loadu_pd(mins + 4), _mm_loadu_pd(mins + 6)));
+  return _mm_cvtsd_f64(_mm_min_sd(m, _mm_unpackhi_pd(m, m)));
+}
+#else
+template <typename value_t>
+TR_HD double live_min(const value_t* children) { return live_min_portable(children); }
+TR_HD double group_min(const double* mins) { return min_portable(mins); }
+#endif
+
 // Recompute internal node j of level d from its K children. Children are summed left to right in
 // float64 from 0.0, which fixes the rounding so every back end produces bit-identical sums, and makes
 // a node's stored sum equal to the last prefix choose_child computes over its children.
@@ -95,23 +163,17 @@ template <typename scalar_t>
 TR_HD void recompute_node(const Layout& L, const scalar_t* leaves, double* sums, double* mins, int d,
                           int64_t j) {
   double total = 0.0;
-  double lowest = positive_infinity();
+  double lowest;
   if (d == L.depth - 1) {
     const scalar_t* child = leaves + j * kArity;
 TR_UNROLL
-    for (int c = 0; c < kArity; ++c) {
-      double v = static_cast<double>(child[c]);
-      total += v;
-      if (v > 0.0 && v < lowest) lowest = v;
-    }
+    for (int c = 0; c < kArity; ++c) total += static_cast<double>(child[c]);
+    lowest = live_min(child);
   } else {
     const int64_t base = L.level_offset[d + 1] + j * kArity;
 TR_UNROLL
-    for (int c = 0; c < kArity; ++c) {
-      total += sums[base + c];
-      double m = mins[base + c];
-      if (m < lowest) lowest = m;
-    }
+    for (int c = 0; c < kArity; ++c) total += sums[base + c];
+    lowest = group_min(mins + base);
   }
   sums[L.level_offset[d] + j] = total;
   mins[L.level_offset[d] + j] = lowest;

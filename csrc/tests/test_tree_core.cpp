@@ -287,6 +287,32 @@ void test_choose_child_matches_portable(uint32_t seed) {
   }
 }
 
+// The host's lane-wise minimums must equal the portable (GPU) ones: zeros, -0.0, denormals, huge
+// values and all-dead groups.
+template <typename value_t>
+void test_group_minimums_match_portable(uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const double specials[] = {0.0, -0.0, 1e-310, 1e-45, 1e-30, 1.0, 1e30, 1e300};
+  for (int r = 0; r < 200000; ++r) {
+    value_t children[kArity];
+    double mins[kArity];
+    const bool all_dead = r % 97 == 0;
+    for (int c = 0; c < kArity; ++c) {
+      const uint64_t kind = rng() % 4;
+      children[c] = all_dead ? value_t(0)
+                    : kind == 0 ? static_cast<value_t>(specials[rng() % 8])
+                                : static_cast<value_t>(unit(rng) * 4.0);
+      mins[c] = rng() % 5 == 0 ? std::numeric_limits<double>::infinity() : unit(rng) * 1e3;
+    }
+    const double live_host = live_min(children), live_portable = live_min_portable(children);
+    CHECK(live_host == live_portable, "round %d: live min host %.17g, portable %.17g", r, live_host, live_portable);
+    const double host = group_min(mins), portable = min_portable(mins);
+    CHECK(host == portable, "round %d: min host %.17g, portable %.17g", r, host, portable);
+    if (live_host != live_portable || host != portable) return;
+  }
+}
+
 // Pieces of a threaded update must not share a node at or below the split level.
 void test_cut_stream_aligns_to_split_nodes() {
   const Layout L = make_layout(1 << 20);
@@ -354,6 +380,8 @@ int main() {
   test_cut_stream_aligns_to_split_nodes();
   test_choose_child_matches_portable<float>(13);
   test_choose_child_matches_portable<double>(14);
+  test_group_minimums_match_portable<float>(16);
+  test_group_minimums_match_portable<double>(17);
   test_rebuild_matches_updates();
   test_single_live_leaf_at_every_boundary();
   if (failures) {
