@@ -111,7 +111,7 @@ TR_UNROLL
   return lowest;
 }
 
-TR_HD double min_portable(const double* mins) {
+TR_HD double group_min_portable(const double* mins) {
   double lowest = positive_infinity();
 TR_UNROLL
   for (int c = 0; c < kArity; ++c) lowest = mins[c] < lowest ? mins[c] : lowest;
@@ -153,7 +153,7 @@ inline double group_min(const double* mins) {
 #else
 template <typename value_t>
 TR_HD double live_min(const value_t* children) { return live_min_portable(children); }
-TR_HD double group_min(const double* mins) { return min_portable(mins); }
+TR_HD double group_min(const double* mins) { return group_min_portable(mins); }
 #endif
 
 // Recompute internal node j of level d from its K children. Children are summed left to right in

@@ -307,7 +307,7 @@ void test_group_minimums_match_portable(uint32_t seed) {
     }
     const double live_host = live_min(children), live_portable = live_min_portable(children);
     CHECK(live_host == live_portable, "round %d: live min host %.17g, portable %.17g", r, live_host, live_portable);
-    const double host = group_min(mins), portable = min_portable(mins);
+    const double host = group_min(mins), portable = group_min_portable(mins);
     CHECK(host == portable, "round %d: min host %.17g, portable %.17g", r, host, portable);
     if (live_host != live_portable || host != portable) return;
   }
