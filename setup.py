@@ -28,7 +28,8 @@ def want_cuda() -> bool:
 def extension():
     sources = ["csrc/ops.cpp", "csrc/cpu/tree_cpu_ops.cpp", "csrc/cpu/pad_cpu.cpp", "csrc/cpu/shard_reader_ops.cpp"]
     if want_cuda():
-        sources += ["csrc/cuda/tree_cuda.cu", "csrc/cuda/tree_cuda_ops.cpp"]
+        sources += ["csrc/cuda/tree_cuda.cu", "csrc/cuda/tree_cuda_ops.cpp", "csrc/cuda/crc_cuda.cu",
+                    "csrc/cuda/storage_cuda_ops.cpp"]
         # torch's CUDA headers need C++20 from 2.14 on.
         cxx = [f for f in CXX_FLAGS if not f.startswith("-std=")] + ["-std=c++20", "-DTORCHREPLAY_WITH_CUDA"]
         return CUDAExtension(

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "crc32_portable.h"
 #include "shard_reader.h"
 
 #include "check.h"
@@ -181,10 +182,27 @@ void test_crc_matches_zlib() {
   }
 }
 
+// The table version is what the GPU runs on pages kvikio read into device memory.
+void test_portable_crc_matches_zlib() {
+  uint32_t table[256];
+  for (uint32_t i = 0; i < 256; ++i) table[i] = torchreplay::crc::table_entry(i);
+  std::mt19937_64 rng(12);
+  std::vector<uint8_t> buf(3 * 4096 + 77);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (int i = 0; i < 400; ++i) {
+    const size_t off = rng() % 64, n = i < 100 ? static_cast<size_t>(i) : rng() % (buf.size() - 64);
+    const uint32_t init = i % 3 ? 0 : static_cast<uint32_t>(rng());
+    const uint32_t want = static_cast<uint32_t>(::crc32(init, buf.data() + off, static_cast<uInt>(n)));
+    const uint32_t got = torchreplay::crc::crc32_table(table, init, buf.data() + off, n);
+    CHECK(want == got, "n=%zu off=%zu init=%08x: zlib %08x, table %08x", n, off, init, want, got);
+  }
+}
+
 }  // namespace
 
 int main() {
   test_crc_matches_zlib();
+  test_portable_crc_matches_zlib();
   char tmpl[] = "/tmp/torchreplay-reader-test-XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
   if (!dir) {
