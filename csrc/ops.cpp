@@ -44,6 +44,7 @@ TORCH_LIBRARY(torchreplay, m) {
   m.def("read_shard_rows(str[] paths, Tensor segments, Tensor rows, Tensor crcs, Tensor(a!)[] dests, "
         "Tensor(b!) page_state, bool direct, int threads) -> Tensor");
   m.def("page_crc32(Tensor data, int page_size) -> Tensor");
+  m.def("span_crc32(Tensor data, Tensor spans) -> Tensor");
   m.def("cuda_version() -> int", &cuda_version);
 }
 

@@ -74,9 +74,36 @@ at::Tensor page_crc32_cpu(const at::Tensor& data_in, int64_t page_size) {
   return out;
 }
 
+// CRC32 of byte spans [begin, begin + length) of a buffer: the pages of cold rows staged for a
+// device batch (the CUDA twin verifies them in device memory; this one runs the same path on the
+// host, where the tests exercise it).
+at::Tensor span_crc32_cpu(const at::Tensor& data_in, const at::Tensor& spans_in) {
+  TORCH_CHECK_TYPE(data_in.scalar_type() == at::kByte && data_in.dim() == 1 && data_in.device().is_cpu(),
+                   "span_crc32: data must be a 1-D uint8 CPU tensor");
+  TORCH_CHECK_TYPE(spans_in.scalar_type() == at::kLong && spans_in.dim() == 2 && spans_in.size(1) == 2 &&
+                       spans_in.device().is_cpu(),
+                   "span_crc32: spans must be int64 [K, 2] on the CPU");
+  const at::Tensor data = data_in.contiguous(), spans = spans_in.contiguous();
+  const int64_t n = data.numel(), k = spans.size(0);
+  const auto* span = spans.data_ptr<int64_t>();
+  for (int64_t s = 0; s < k; ++s) {
+    const int64_t begin = span[2 * s], length = span[2 * s + 1];
+    TORCH_CHECK_VALUE(begin >= 0 && length >= 0 && begin <= n && length <= n - begin, "span_crc32: span ", s, " [",
+                      begin, ", +", length, ") is outside the ", n, "-byte buffer");
+  }
+  at::Tensor out = at::empty({k}, at::kLong);
+  const auto* bytes = data.data_ptr<uint8_t>();
+  auto* crcs = out.data_ptr<int64_t>();
+  for (int64_t s = 0; s < k; ++s) {
+    crcs[s] = static_cast<int64_t>(crc::crc32(0, bytes + span[2 * s], static_cast<size_t>(span[2 * s + 1])));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchreplay, CPU, m) {
+  m.impl("span_crc32", &span_crc32_cpu);
   m.impl("read_shard_rows", &read_shard_rows_cpu);
   m.impl("page_crc32", &page_crc32_cpu);
 }

@@ -1,4 +1,4 @@
-// Torch-free launcher for per-page CRC-32 of device memory (see crc32_portable.h). Like the tree
+// Torch-free launcher for CRC-32 of byte spans of device memory (see crc32_portable.h). Like the tree
 // launchers it takes raw pointers and a stream and does not synchronize with the host.
 #pragma once
 
@@ -10,9 +10,10 @@ namespace torchreplay {
 namespace crc {
 namespace cuda {
 
-// out[p] = zlib crc32 of bytes [p * page_size, min((p + 1) * page_size, n)) of `data`, for each of
-// the ceil(n / page_size) pages (one page of length 0 when n == 0).
-cudaError_t page_crc32(const uint8_t* data, int64_t n, int64_t page_size, int64_t* out, cudaStream_t stream);
+// out[k] = zlib crc32 of bytes [spans[2k], spans[2k] + spans[2k + 1]) of `data` (n bytes), or -1
+// for a span outside [0, n): the host validates first, this only keeps memory safe.
+cudaError_t span_crc32(const uint8_t* data, int64_t n, const int64_t* spans, int64_t k, int64_t* out,
+                       cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace crc
