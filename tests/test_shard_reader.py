@@ -269,3 +269,19 @@ def test_page_crc32_matches_zlib_and_rejects_bad_input():
         torch.ops.torchreplay.page_crc32(torch.zeros(10, dtype=torch.uint8), 1000)
     with pytest.raises(TypeError, match="uint8"):
         torch.ops.torchreplay.page_crc32(torch.zeros(10, dtype=torch.int32), 4096)
+
+
+def test_span_crc32_matches_zlib_and_rejects_spans_outside_the_buffer():
+    import zlib
+
+    data = torch.randint(0, 256, (3 * 4096 + 50,), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    raw = data.numpy().tobytes()
+    spans = [(0, 4096), (4096, 4096), (8192, 4096), (12288, 50), (7, 0), (1, 4095), (0, len(raw))]
+    got = torch.ops.torchreplay.span_crc32(data, torch.tensor(spans)).tolist()
+    assert got == [zlib.crc32(raw[a : a + n]) for a, n in spans]
+    torch.library.opcheck(torch.ops.torchreplay.span_crc32, (data, torch.tensor(spans)))
+    for bad in ([(12288, 51)], [(-1, 4)], [(0, -1)]):
+        with pytest.raises(ValueError, match="outside"):
+            torch.ops.torchreplay.span_crc32(data, torch.tensor(bad))
+    with pytest.raises(TypeError, match="int64"):
+        torch.ops.torchreplay.span_crc32(data, torch.zeros(2, 3, dtype=torch.int64))

@@ -267,9 +267,166 @@ def test_permission_denied_is_a_storage_error(tmp_path):
     assert "StorageError" in out.stdout and "permission denied" in out.stdout, out.stdout + out.stderr
 
 
-def test_unimplemented_vram_tier_is_refused_not_ignored(tmp_path):
-    with pytest.raises(ValueError, match="not implemented"):
-        TieredStorage(hot_bytes=0, spill_dir=tmp_path, device_bytes=1 << 20)
+def device_twins(tmp_path, device, padding_side="right", io="posix", **storage_kw):
+    """A hot-only buffer and one with a device tier on `device`, fed identical data: optional
+    routing ids (a [3, 2] uint8 token field) on half the batches, so some shards lack that field."""
+    routing = tr.FieldSpec("routing", "token", torch.uint8, (3, 2), required=False, accept="int")
+    kw = dict(sampler=tr.PrioritizedSampler(alpha=0.7), extra_fields={"routing": routing},
+              padding_side=padding_side, pad_token_id=-3)
+    hot = tr.RolloutBuffer(256, **kw)
+    tiered = tr.RolloutBuffer(256, **kw, storage=TieredStorage(device=device, io=io, **storage_kw))
+    for i in range(8):
+        batch = make_batch(24, seed=100 + i, max_len=400, group_base=10 * i)
+        if i % 2:
+            g = torch.Generator().manual_seed(i)
+            batch["routing"] = [torch.randint(0, 64, (t.numel(), 3, 2), generator=g) for t in batch["tokens"]]
+        hot.add(batch)
+        tiered.add(batch)
+    tiered.storage.flush()
+    return hot, tiered
+
+
+# Each case takes a different mix of row sources: device-tier copies only; device copies plus host
+# hot copies (the device budget holds ~3 of 8 shards); device copies plus cold rows staged on the
+# device (hot_bytes=0); cold rows only, staged.
+DEVICE_CASES = {
+    "device-only": dict(device_bytes=1 << 30),
+    "device+host": dict(device_bytes=250_000),
+    "device+staged": dict(device_bytes=250_000, hot_bytes=0, spill=True),
+    "staged-only": dict(device_bytes=0, hot_bytes=0, spill=True),
+}
+
+
+def device_storage_kw(tmp_path, case):
+    kw = dict(DEVICE_CASES[case])
+    if kw.pop("spill", False):
+        kw["spill_dir"] = tmp_path / "spill"
+    return kw
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("case", list(DEVICE_CASES))
+def test_device_tier_batches_equal_host_assembled_ones(tmp_path, case, side):
+    """device='cpu' runs the device tier's code (copies, index-op padding, staged cold reads with
+    on-device checksums) in host memory: every batch must equal the hot-only buffer's, bit for bit."""
+    hot, tiered = device_twins(tmp_path, "cpu", side, **device_storage_kw(tmp_path, case))
+    for seed in range(4):
+        want = hot.sample(40, generator=torch.Generator().manual_seed(seed))
+        assert_same(want, tiered.sample(40, device="cpu", generator=torch.Generator().manual_seed(seed)))
+    ahead = list(tiered.prefetching(16, steps=3, device="cpu", generator=torch.Generator().manual_seed(9)))
+    g = torch.Generator().manual_seed(9)
+    for batch in ahead:
+        assert_same(hot.sample(16, generator=g), batch)
+    m = tiered.metrics()
+    budget = DEVICE_CASES[case]["device_bytes"]
+    assert m["storage_device_bytes"] <= budget
+    assert (m["storage_device_hits"] > 0) == (budget > 0)
+    assert (m["storage_device_staged_bytes"] > 0) == ("spill" in DEVICE_CASES[case])
+    if case == "device+host":
+        assert m["storage_device_dropped"] > 0 and m["storage_hot_hits"] > 0
+    tiered.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("io", ["posix", "kvikio"])
+@pytest.mark.parametrize("case", list(DEVICE_CASES))
+def test_cuda_device_tier_batches_equal_host_assembled_ones(tmp_path, case, io):
+    """The VRAM tier and (with kvikio) cold pages read straight into device memory and verified
+    there by the CUDA span_crc32; POSIX cannot read into VRAM, so its cold rows come via the host."""
+    if io == "kvikio":
+        pytest.importorskip("kvikio", reason="kvikio is not installed (pip install kvikio-cu13)")
+    hot, tiered = device_twins(tmp_path, "cuda", io=io, **device_storage_kw(tmp_path, case))
+    for seed in range(4):
+        want = hot.sample(40, generator=torch.Generator().manual_seed(seed))
+        got = tiered.sample(40, device="cuda", generator=torch.Generator().manual_seed(seed))
+        assert all(t.is_cuda for t in got.data.values())
+        assert_same(want, got.to("cpu"))
+    m = tiered.metrics()
+    assert m["storage_device_bytes"] <= DEVICE_CASES[case]["device_bytes"]
+    staged = "spill" in DEVICE_CASES[case] and io == "kvikio"
+    assert (m["storage_device_staged_bytes"] > 0) == staged
+    tiered.close()
+
+
+@pytest.mark.cuda
+def test_cuda_span_crc32_matches_the_host():
+    data = torch.randint(0, 256, (5 * 4096 + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    spans = torch.tensor([[0, 4096], [4096, 4096], [8192, 123], [100, 0], [20480, 123]])
+    host = torch.ops.torchreplay.span_crc32(data, spans)
+    assert torch.equal(torch.ops.torchreplay.span_crc32(data.cuda(), spans.cuda()).cpu(), host)
+    # An out-of-range span is -1 from the kernel, never a read past the buffer.
+    bad = torch.ops.torchreplay.span_crc32(data.cuda(), torch.tensor([[20480, 9999]], device="cuda")).cpu()
+    assert bad.tolist() == [-1]
+
+
+def test_device_tier_frees_its_bytes_as_rollouts_die(tmp_path):
+    storage = TieredStorage(device="cpu", device_bytes=1 << 30)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
+    buf.add(make_batch(16, version=0, seed=1))
+    buf.add(make_batch(16, version=1, seed=2))
+    held = storage.metrics()["storage_device_bytes"]
+    assert held == sum(s.token_bytes for s in storage._shards.values()) > 0
+    buf.advance(3)  # both batches are now too stale
+    assert len(buf) == 0 and storage.metrics()["storage_device_bytes"] == 0
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_staged_cold_read_catches_corruption_on_the_device_side(tmp_path, mode):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0, device="cpu")
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage, on_corrupt=mode)
+    good = make_batch(16, seed=5)
+    good_handles = buf.add(good)
+    bad_handles = buf.add(make_batch(16, seed=6))
+    storage.flush()
+    corrupt_block(storage.shard(int(buf._table.chunk[bad_handles.slot[0]])).path)
+    gen = torch.Generator().manual_seed(0)
+    if mode == "raise":
+        with pytest.raises(tr.StorageError, match="checksum"):
+            for _ in range(20):
+                buf.sample(8, device="cpu", generator=gen)
+    for _ in range(20):
+        out = buf.sample(8, device="cpu", generator=gen)
+        assert set(out.handles.slot.tolist()) <= set(good_handles.slot.tolist())
+        for k, slot in enumerate(out.handles.slot.tolist()):
+            n = good["tokens"][slot].numel()
+            assert torch.equal(out.tokens[k, :n], good["tokens"][slot])
+    m = buf.metrics()
+    assert m["storage_device_staged_bytes"] > 0
+    assert m["evicted_corrupt"] > 0 and m["storage_corrupt_rows"] == m["evicted_corrupt"]
+    buf.close()
+
+
+def test_staged_cold_read_of_a_vanished_file_is_a_storage_error(tmp_path):
+    storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix", compact_below=0, device="cpu")
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage)
+    keep = buf.add(make_batch(8, seed=7))
+    lost = buf.add(make_batch(8, seed=8))
+    storage.flush()
+    os.unlink(storage.shard(int(buf._table.chunk[lost.slot[0]])).path)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(tr.StorageError, match="vanished"):
+        for _ in range(10):
+            buf.sample(16, device="cpu", generator=gen)
+    assert len(buf) == 8
+    out = buf.sample(16, device="cpu", generator=gen)
+    assert set(out.handles.slot.tolist()) <= set(keep.slot.tolist())
+    buf.close()
+
+
+def test_device_settings_are_validated(tmp_path):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            TieredStorage(device_bytes=1 << 20)  # the device defaults to cuda
+    with pytest.raises(ValueError, match="device must"):
+        TieredStorage(device="not-a-device")
+    with pytest.raises(ValueError, match="device must be a CUDA device or 'cpu'"):
+        TieredStorage(device="meta")
+    with pytest.raises(ValueError, match="device_bytes"):
+        TieredStorage(device="cpu", device_bytes=-1)
+    with pytest.raises(ValueError, match="device_policy"):
+        TieredStorage(device="cpu", device_policy="mru")
+    with pytest.raises(TypeError, match="device_policy"):
+        TieredStorage(device="cpu", device_policy=object())
 
 
 def test_io_auto_without_cuda_driver_picks_posix(tmp_path, caplog):

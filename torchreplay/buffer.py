@@ -103,6 +103,7 @@ class _Plan:
     shards: list
     fields: list[str]
     reuse_output: bool = False
+    device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
 
 
 class _SlotTable:
@@ -469,6 +470,7 @@ class RolloutBuffer:
         slots, weights = self.sampler.sample(batch_size, generator)
         plan = self._plan(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
         plan.reuse_output = _reuse
+        plan.device = self._assembly_device(device)
         self._counters["sampled_replay"] += batch_size
         self._counters["sample_calls"] += 1
         self._record_use(slots, weights)
@@ -499,8 +501,10 @@ class RolloutBuffer:
             raise ValueError("slots must name live rollouts")
         n = slots.numel()
         w = torch.ones(n) if weights is None else weights
+        plan = self._plan(slots, w, torch.zeros(n, dtype=torch.bool))
+        plan.device = self._assembly_device(device)
         try:
-            batch = self._materialize(self._plan(slots, w, torch.zeros(n, dtype=torch.bool)))
+            batch = self._materialize(plan)
         except CorruptRows as exc:
             self._evict_corrupt(exc, always_raise=True)
         if count_use:
@@ -610,6 +614,17 @@ class RolloutBuffer:
             reuse=t.reuse[slots].clone(), shards=[self.storage.shard(s) for s in shard_ids], fields=fields,
         )
 
+    def _assembly_device(self, device: torch.device | str | None) -> torch.device | None:
+        """The storage's device if a batch bound for `device` should be put together there (device
+        tier copies and staged cold reads land there); None to assemble in host memory."""
+        home = self.storage.device
+        if device is None or home is None:
+            return None
+        wanted = torch.device(device)
+        if wanted.type == "cuda" and wanted.index is None:
+            wanted = torch.device("cuda", torch.cuda.current_device())
+        return home if wanted == home else None
+
     def _materialize(self, plan: _Plan) -> ReplayBatch:
         """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
         try:
@@ -633,7 +648,7 @@ class RolloutBuffer:
     def _pad(self, plan: _Plan) -> ReplayBatch:
         n = plan.slots.numel()
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
-        gather = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields)
+        gather = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields, plan.device)
         sources, source, index = gather.sources, gather.source, gather.index
         # Per row: where its tokens start in its source and how many there are, from the sources'
         # offsets laid end to end (each source has n + 1 of them).
@@ -643,6 +658,9 @@ class RolloutBuffer:
         lengths = offsets[at + 1] - starts
         width = int(lengths.max()) if n else 0
         left = self.padding_side == "left"
+        if plan.device is not None:
+            data = self._pad_on_device(plan.device, gather, starts, lengths, width, token_fields)
+            return self._finish(plan, sources, source, index, data)
         dest = torch.arange(n)
         # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
         valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
@@ -662,6 +680,13 @@ class RolloutBuffer:
             if n:
                 ops.pad_rows(values, source, field_starts, field_lengths, dest, out, left, fill)
             data[name] = out
+        data["attention_mask"] = valid
+        return self._finish(plan, sources, source, index, data)
+
+    def _finish(self, plan: _Plan, sources: list, source: torch.Tensor, index: torch.Tensor,
+                data: dict[str, torch.Tensor]) -> ReplayBatch:
+        """The padded token fields in `data`, plus rollout-level fields and the plan's bookkeeping."""
+        n = plan.slots.numel()
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
         rollout_rows = row_base(sources, 0)[source] + index if extra_rollout else None
         for name in extra_rollout:
@@ -670,7 +695,6 @@ class RolloutBuffer:
             columns = [torch.zeros((b.n, *spec.shape), dtype=spec.dtype) if c is None else c
                        for b, c in zip(sources, columns)]
             data[name] = torch.cat(columns)[rollout_rows] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
-        data["attention_mask"] = valid
         data.update(plan.meta)
         return ReplayBatch(
             data=data,
@@ -680,6 +704,53 @@ class RolloutBuffer:
             reuse=plan.reuse,
             is_fresh=plan.is_fresh,
         )
+
+    def _pad_on_device(self, device: torch.device, gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
+                       token_fields: list[str]) -> dict[str, torch.Tensor]:
+        """Padded token fields and the mask, on `device`. Rows whose source is on the device (tier
+        copies, staged cold reads) are gathered there with index ops; the rest are padded in host
+        memory by pad_rows, as without a device, and copied over in one transfer per field."""
+        sources, source = gather.sources, gather.source
+        n = source.numel()
+        left = self.padding_side == "left"
+        on_device = torch.tensor(gather.on_device, dtype=torch.bool)[source] if sources else torch.zeros(0, dtype=torch.bool)
+        host_rows, device_rows = (~on_device).nonzero().flatten(), on_device.nonzero().flatten()
+        pin = device.type == "cuda"
+        column = torch.arange(width, device=device)
+        lengths_there = lengths.to(device)
+        pad = (width - lengths_there)[:, None] if left else None
+        data = {"attention_mask": column >= pad if left else column < lengths_there[:, None]}
+        device_row_there = device_rows.to(device)
+        for name in token_fields:
+            spec = self.fields[name]
+            fill = self.pad_token_id if name == "tokens" else 0
+            out = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype, device=device)
+            values = [b.token.get(name) for b in sources]
+            missing = torch.tensor([v is None for v in values], dtype=torch.bool)[source] if sources else on_device
+            field_lengths = lengths.masked_fill(missing, 0)
+            if host_rows.numel():
+                host_values = [torch.empty((0, *spec.shape), dtype=spec.dtype) if v is None or there else v
+                               for v, there in zip(values, gather.on_device)]
+                staged = torch.empty((host_rows.numel(), width, *spec.shape), dtype=spec.dtype, pin_memory=pin)
+                ops.pad_rows(host_values, source[host_rows], starts[host_rows].masked_fill(missing[host_rows], 0),
+                             field_lengths[host_rows], torch.arange(host_rows.numel()), staged, left, fill)
+                out[host_rows.to(device)] = staged.to(device, non_blocking=pin)
+            there = [v for v, d in zip(values, gather.on_device) if d and v is not None]
+            if device_rows.numel() and there:
+                # Each device source's tokens laid end to end; a row's tokens start at its source's base.
+                sizes = torch.tensor([0 if v is None or not d else v.shape[0] for v, d in zip(values, gather.on_device)])
+                base = torch.cumsum(sizes, 0) - sizes
+                flat = torch.cat(there)
+                first = (base[source[device_rows]] + starts[device_rows]).to(device)
+                count = field_lengths[device_rows].to(device)
+                offset = column - (width - count)[:, None] if left else column.expand(device_rows.numel(), width)
+                valid = (offset >= 0) & (offset < count[:, None])
+                at = torch.where(valid, first[:, None] + offset, torch.zeros((), dtype=torch.int64, device=device))
+                picked = flat[at.clamp(max=flat.shape[0] - 1)]
+                keep = valid.reshape(*valid.shape, *([1] * len(spec.shape)))
+                out[device_row_there] = torch.where(keep, picked, torch.full((), fill, dtype=spec.dtype, device=device))
+            data[name] = out
+        return data
 
     # -------------------------------------------------------------------------------- priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:

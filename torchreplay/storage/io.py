@@ -72,6 +72,15 @@ class IOBackend(Protocol):
         read, pread calls. Failures are reported, not raised; an inconsistent request raises
         ValueError before anything is read."""
 
+    def can_stage_on(self, device: torch.device) -> bool:
+        """Whether read_spans can read straight into memory on `device`."""
+
+    def read_spans(self, spans: Sequence[tuple[str, int, int, int]], staging: torch.Tensor) -> list[int | OSError]:
+        """Raw byte ranges of shard files into a 1-D uint8 tensor (host or, with kvikio, device
+        memory), all in flight together: spans are (path, file offset, bytes, staging offset).
+        Returns the bytes read per span, or the OSError that stopped it; nothing is verified here
+        (the caller checks page checksums where the bytes landed)."""
+
     def close(self) -> None: ...
 
 
@@ -161,6 +170,35 @@ class PosixIO:
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
         return read_shard_rows(paths, segments, rows, crcs, dests, page_state, self.direct, self.threads)
 
+    def can_stage_on(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def read_spans(self, spans: Sequence[tuple[str, int, int, int]], staging: torch.Tensor) -> list[int | OSError]:
+        if staging.device.type != "cpu":
+            raise ValueError(f"the POSIX back end reads into host memory, not {staging.device}")
+        view = memoryview(staging.numpy()).cast("B")
+
+        def read(span: tuple[str, int, int, int]) -> int | OSError:
+            path, offset, nbytes, at = span
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                return exc
+            try:
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(fd, [view[at + done : at + nbytes]], offset + done)
+                    if got == 0:
+                        break
+                    done += got
+                return done
+            except OSError as exc:
+                return exc
+            finally:
+                os.close(fd)
+
+        return list(self.pool.map(read, spans))
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -209,15 +247,33 @@ class KvikioIO:
     def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
         # Rows bound for host memory: cuFile would only add a bounce buffer over the same preads
-        # (GPUDirect pays off for device destinations, read_to_device), so the C++ reader serves both.
+        # (GPUDirect pays off for device destinations: read_spans), so the C++ reader serves both.
         return read_shard_rows(paths, segments, rows, crcs, dests, page_state, False, self.threads)
 
-    def read_to_device(self, path: str, offset: int, nbytes: int, out) -> None:
-        """Read straight into device memory (a CUDA tensor or any __cuda_array_interface__ buffer)."""
-        with self._kvikio.CuFile(path, "r") as f:
-            got = f.pread(out, size=nbytes, file_offset=offset).get()
-        if got != nbytes:
-            raise StorageError(f"short read from {path}: {got} of {nbytes} bytes at {offset}")
+    def can_stage_on(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def read_spans(self, spans: Sequence[tuple[str, int, int, int]], staging: torch.Tensor) -> list[int | OSError]:
+        """cuFile preads straight into `staging` (GPUDirect Storage where the platform has it),
+        every span of a file issued before any is waited on."""
+        by_path: dict[str, list[int]] = {}
+        for i, (path, _, _, _) in enumerate(spans):
+            by_path.setdefault(path, []).append(i)
+        results: list[int | OSError] = [0] * len(spans)
+        for path, members in by_path.items():
+            try:
+                with self._kvikio.CuFile(path, "r") as f:
+                    futures = [(i, f.pread(staging[spans[i][3] : spans[i][3] + spans[i][2]], size=spans[i][2],
+                                           file_offset=spans[i][1])) for i in members]
+                    for i, fut in futures:
+                        results[i] = int(fut.get())
+            except OSError as exc:
+                for i in members:
+                    results[i] = exc
+            except RuntimeError as exc:  # kvikio reports cuFile failures as RuntimeError
+                for i in members:
+                    results[i] = OSError(errno.EIO, f"kvikio: {exc}")
+        return results
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

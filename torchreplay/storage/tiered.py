@@ -23,6 +23,7 @@ import torch
 
 from torchreplay.errors import StorageError
 from torchreplay.schema import PackedBatch
+from torchreplay._ops import ops
 from torchreplay.storage import format as fmt
 from torchreplay.storage.io import (PAGE_BAD, READ_CHECKSUM, READ_OPEN, READ_SHORT, IOBackend, make_io,
                                     storage_error)
@@ -72,6 +73,14 @@ def row_base(batches: list, extra: int) -> torch.Tensor:
     return torch.cumsum(sizes, 0)
 
 
+def _ranges(begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Every integer of [begin[k], end[k]) for each k, in order, as one tensor."""
+    counts = end - begin
+    total = int(counts.sum()) if counts.numel() else 0
+    run_start = torch.cumsum(counts, 0) - counts
+    return torch.repeat_interleave(begin - run_start, counts, output_size=total) + torch.arange(total)
+
+
 # ------------------------------------------------------------------------------- hot policies
 class HotPolicy(Protocol):
     """Decides which hot copies to drop first when the hot tier is over budget."""
@@ -116,14 +125,47 @@ class NewestFirstPolicy(LRUPolicy):
 POLICIES = {"lru": LRUPolicy, "newest": NewestFirstPolicy}
 
 
+def _make_policy(policy: str | HotPolicy, name: str) -> HotPolicy:
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"{name} must be one of {sorted(POLICIES)} or a HotPolicy, got {policy!r}")
+        return POLICIES[policy]()
+    missing = [m for m in ("added", "touched", "removed", "drop_order") if not callable(getattr(policy, m, None))]
+    if missing:
+        raise TypeError(f"{name} must be a policy name or a HotPolicy; {type(policy).__name__} lacks {missing}")
+    return policy
+
+
 # ------------------------------------------------------------------------------------ shards
 @dataclass
 class Gather:
-    """Where the rows of a sampled batch come from: row k is row index[k] of sources[source[k]]."""
+    """Where the rows of a sampled batch come from: row k is row index[k] of sources[source[k]].
+    A source whose token tensors are on the storage's device (device-tier copies, cold rows read
+    straight there) has on_device[i] set; the rest are in host memory."""
 
     sources: list[PackedBatch]
     source: torch.Tensor  # [n] int64
     index: torch.Tensor  # [n] int64
+    on_device: list[bool] = field(default_factory=list)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch.device with its index filled in, refused (ValueError) where it cannot be used."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must name a torch device, got {device!r}: {exc}") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} needs CUDA, and torch.cuda.is_available() is False "
+                             "(device='cpu' runs the device tier's code path in host memory)")
+        index = torch.cuda.current_device() if resolved.index is None else resolved.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
+    if resolved.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+    return resolved
 
 
 @dataclass
@@ -145,6 +187,7 @@ class _Shard:
     remote: Callable[[str], None] | None = None
     fetch_lock: threading.Lock = field(default_factory=threading.Lock)
     crc_table: tuple[torch.Tensor, dict[str, int]] | None = None  # see TieredStorage._crc_table
+    device_token: dict[str, torch.Tensor] | None = None  # device-tier copy of `token`, if any
 
     def batch(self) -> PackedBatch:
         assert self.token is not None
@@ -157,9 +200,16 @@ class TieredStorage:
     Args:
         hot_bytes: budget for hot token data in host RAM (bytes); None = unbounded (hot-only).
         spill_dir: directory for shard files; None = no cold tier (everything stays hot).
-        device_bytes: VRAM budget for a device tier. Only 0 is supported so far (see the error).
+        device_bytes: budget (bytes) of a device tier: copies of the token data of recently added
+            shards kept in VRAM, so sampling them to `device` copies nothing from the host. Dropping
+            one is free (host RAM or disk still holds it). 0 = no device tier.
+        device: where `sample(..., device=device)` assembles batches, and where the device tier
+            lives; cold pages then land there straight from disk (kvikio), verified on the device.
+            Default "cuda" when device_bytes > 0, else None (batches are assembled in host memory
+            and moved). "cpu" runs this code path without a GPU (a second copy in RAM: for tests).
         io: "auto", "kvikio" or "posix".
         policy: "lru" or "newest" (or a HotPolicy), what stays hot.
+        device_policy: the same choice for the device tier.
         compact_below: a shard whose live fraction falls below this is rewritten by the buffer.
         direct: open shard files with O_DIRECT (POSIX back end).
         io_threads: threads doing pread/pwrite.
@@ -173,6 +223,8 @@ class TieredStorage:
         device_bytes: int = 0,
         io: str = "auto",
         policy: str | HotPolicy = "lru",
+        device: str | torch.device | None = None,
+        device_policy: str | HotPolicy = "lru",
         compact_below: float = 0.25,
         direct: bool = False,
         io_threads: int = 4,
@@ -184,20 +236,20 @@ class TieredStorage:
             raise ValueError("hot_bytes needs spill_dir: without a cold tier nothing can leave RAM")
         if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0:
             raise ValueError(f"device_bytes must be an int >= 0, got {device_bytes!r}")
-        if device_bytes:
-            # Not built yet: a VRAM tier needs a GPU machine to build and test against, and
-            # accepting the setting while ignoring it would misstate where rollouts live.
-            raise ValueError("device_bytes > 0 (a VRAM hot tier) is not implemented yet; use device_bytes=0 and "
-                             "sample(..., device='cuda'), which copies through pinned memory")
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
-        if isinstance(policy, str):
-            if policy not in POLICIES:
-                raise ValueError(f"policy must be one of {sorted(POLICIES)} or a HotPolicy, got {policy!r}")
-            policy = POLICIES[policy]()
+        policy = _make_policy(policy, "policy")
+        device_policy = _make_policy(device_policy, "device_policy")
+        if device_policy is policy:
+            raise ValueError("device_policy must be its own HotPolicy object, not the host tier's")
+        if device_bytes and device is None:
+            device = "cuda"
+        self.device = None if device is None else resolve_device(device)
         self.hot_budget = math.inf if hot_bytes is None else hot_bytes
         self.device_bytes = device_bytes
         self.policy = policy
+        self.device_policy = device_policy
+        self._device_used = 0
         self.compact_below = compact_below
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
@@ -221,7 +273,8 @@ class TieredStorage:
         self.optional_fields: set[str] = set()
         self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "cold_requests": 0, "spilled_shards": 0,
                          "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
-                         "compactions": 0, "fetched_shards": 0}
+                         "compactions": 0, "fetched_shards": 0, "device_hits": 0, "device_dropped": 0,
+                         "device_staged_bytes": 0}
 
     # ------------------------------------------------------------------------------- lifecycle
     @property
@@ -261,6 +314,12 @@ class TieredStorage:
         self._hot_bytes += token_bytes
         self.policy.added(shard.id)
         self.optional_fields.update(token, batch.rollout)
+        if self.device_bytes and token_bytes <= self.device_bytes:
+            # An explicit copy even for device='cpu', so the tier holds what its budget says.
+            shard.device_token = {k: v.to(self.device, non_blocking=True, copy=True) for k, v in token.items()}
+            self._device_used += token_bytes
+            self.device_policy.added(shard.id)
+            self._enforce_device_budget()
         if self.io is not None:
             shard.path = os.path.join(self.spill_dir, f"shard-{shard.id:010d}.trs")
             # Checksums and layout are computed on the spill thread, off the caller's path.
@@ -396,6 +455,23 @@ class TieredStorage:
                     continue
             self._drop_hot(shard)
 
+    def _enforce_device_budget(self) -> None:
+        for shard_id in self.device_policy.drop_order():
+            if self._device_used <= self.device_bytes:
+                return
+            shard = self._shards.get(shard_id)
+            if shard is None or shard.device_token is None:
+                continue
+            self._drop_device(shard)
+
+    def _drop_device(self, shard: _Shard) -> None:
+        # A reader that took the copy before this keeps its reference until it is done.
+        with self._lock:
+            shard.device_token = None
+        self._device_used -= shard.token_bytes
+        self.device_policy.removed(shard.id)
+        self.counters["device_dropped"] += 1
+
     def _drop_hot(self, shard: _Shard) -> None:
         # Write-through means the file already has every byte: dropping is free.
         with self._lock:
@@ -414,8 +490,12 @@ class TieredStorage:
         self.policy.removed(shard_id)
         if shard.token is not None:
             self._hot_bytes -= shard.token_bytes
+        if shard.device_token is not None:
+            self._device_used -= shard.token_bytes
+            self.device_policy.removed(shard_id)
         with self._lock:
             shard.dead = True
+            shard.device_token = None
             self._pending_deletes.append(shard)
         self._flush_deletes()
         return True
@@ -481,27 +561,40 @@ class TieredStorage:
         self.policy.touched(shard.id)
         return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout)
 
-    def fetch_slots(self, shards: list[_Shard], shard_of: torch.Tensor, rows: torch.Tensor, fields: list[str]
-                    ) -> Gather:
+    def fetch_slots(self, shards: list[_Shard], shard_of: torch.Tensor, rows: torch.Tensor, fields: list[str],
+                    device: torch.device | None = None) -> Gather:
         """Rows for a sampled batch from pinned shards: position k wants row rows[k] of shard id
         shard_of[k]. Hot shards come back as themselves, cold rows as freshly read batches (those of
         shards that agree on their fields as one batch, read in one reader call). The result is one
         description over all of them, so the caller pads each field with one op whatever the number
         of shards: per-shard batches cost a handful of tensor ops per shard, and a batch of 64
-        rollouts sampled from a busy buffer touches ~64 shards."""
+        rollouts sampled from a busy buffer touches ~64 shards.
+
+        With `device` (the storage's device), device-tier copies are used where they exist, and
+        cold rows are read straight into device memory when the I/O back end can (kvikio)."""
         with self._lock:
             tokens = [s.token for s in shards]
+            device_tokens = [s.device_token if device is not None else None for s in shards]
+        stage = device if device is not None and self.io is not None and self.io.can_stage_on(device) else None
         shard_ids, by_id = torch.sort(torch.tensor([s.id for s in shards], dtype=torch.int64))
         position = by_id[torch.searchsorted(shard_ids, shard_of)]  # index into `shards` for each row
         sources: list[PackedBatch] = []
+        on_device: list[bool] = []
         source_of_shard = [-1] * len(shards)
-        for i, (shard, token) in enumerate(zip(shards, tokens)):
-            if token is not None:
+        for i, (shard, token, device_token) in enumerate(zip(shards, tokens, device_tokens)):
+            if device_token is not None:
+                source_of_shard[i] = len(sources)
+                self.counters["device_hits"] += 1
+                self.device_policy.touched(shard.id)
+                sources.append(PackedBatch(n=shard.n, offsets=shard.offsets, token=device_token, rollout=shard.rollout))
+                on_device.append(True)
+            elif token is not None:
                 source_of_shard[i] = len(sources)
                 sources.append(self._hot_batch(shard, token))
+                on_device.append(False)
         source = torch.tensor(source_of_shard, dtype=torch.int64)[position]
         index = rows.clone()
-        cold = [i for i, token in enumerate(tokens) if token is None]
+        cold = [i for i, token in enumerate(tokens) if token is None and device_tokens[i] is None]
         if cold and _same_layout([shards[i] for i in cold], fields):
             is_cold = source < 0
             at = is_cold.nonzero().flatten()
@@ -509,7 +602,7 @@ class TieredStorage:
             cold_index[cold] = torch.arange(len(cold))
             which = cold_index[position[at]]  # each cold row's shard, as an index into cold_shards
             cold_shards = [shards[i] for i in cold]
-            offsets, values, failures = self._read_cold_rows(cold_shards, which, rows[at], fields)
+            offsets, values, failures = self._read_cold_rows(cold_shards, which, rows[at], fields, stage)
             for i in sorted(failures):
                 raise failures[i]
             where_rows = row_base(cold_shards, 0)[which] + rows[at]
@@ -519,9 +612,10 @@ class TieredStorage:
             index[at] = torch.arange(at.numel())
             sources.append(PackedBatch(n=at.numel(), offsets=offsets, rollout=rollout,
                                        token={name: t for (name, _, _), t in values.items()}))
+            on_device.append(stage is not None)
         elif cold:
             where = [(position == i).nonzero().flatten() for i in cold]
-            got = self._read_cold_many([(shards[i], rows[at]) for i, at in zip(cold, where)], fields)
+            got = self._read_cold_many([(shards[i], rows[at]) for i, at in zip(cold, where)], fields, stage)
             for at, part in zip(where, got):
                 if isinstance(part, CorruptRows):
                     raise part
@@ -529,7 +623,8 @@ class TieredStorage:
                 source[at] = len(sources)
                 index[at] = batch_index
                 sources.append(batch)
-        return Gather(sources, source, index)
+                on_device.append(stage is not None)
+        return Gather(sources, source, index, on_device)
 
     def _read_cold(self, shard: _Shard, rows: torch.Tensor, fields: list[str]) -> tuple[PackedBatch, torch.Tensor]:
         got = self._read_cold_many([(shard, rows)], fields)[0]
@@ -548,13 +643,14 @@ class TieredStorage:
             table = shard.crc_table = (torch.tensor(crcs, dtype=torch.int64), base)
         return table
 
-    def _read_cold_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str]
-                        ) -> list[tuple[PackedBatch, torch.Tensor] | CorruptRows]:
+    def _read_cold_many(self, requests: list[tuple[_Shard, torch.Tensor]], fields: list[str],
+                        stage: torch.device | None = None) -> list[tuple[PackedBatch, torch.Tensor] | CorruptRows]:
         """Per shard: (batch, index) as `fetch` returns, or the CorruptRows to raise for it."""
         shards = [shard for shard, _ in requests]
         counts = [rows.numel() for _, rows in requests]
         which = torch.repeat_interleave(torch.arange(len(shards)), torch.tensor(counts))
-        offsets, values, failures = self._read_cold_rows(shards, which, torch.cat([r for _, r in requests]), fields)
+        offsets, values, failures = self._read_cold_rows(shards, which, torch.cat([r for _, r in requests]), fields,
+                                                         stage)
         results: list[tuple[PackedBatch, torch.Tensor] | CorruptRows] = []
         first = 0
         for i, (shard, rows) in enumerate(requests):
@@ -571,14 +667,16 @@ class TieredStorage:
             first += counts[i]
         return results
 
-    def _read_cold_rows(self, shards: list[_Shard], which: torch.Tensor, rows: torch.Tensor, fields: list[str]
+    def _read_cold_rows(self, shards: list[_Shard], which: torch.Tensor, rows: torch.Tensor, fields: list[str],
+                        stage: torch.device | None = None
                         ) -> tuple[torch.Tensor, dict[tuple, torch.Tensor], dict[int, CorruptRows]]:
         """Row rows[k] of shards[which[k]] for every k, packed in that order, in one C++ reader call
         (csrc/shard_reader.h): it reads the pages covering the rows from every shard file, verifies
         each page's CRC32 and copies the rows into the packed tensors, on io_threads threads
         without the GIL. Returns (offsets [K + 1], {(field, dtype, shape): values}, {shard position:
         CorruptRows}); a shard lacking a field (or storing it in another layout) leaves its rows
-        of that tensor unwritten."""
+        of that tensor unwritten. With `stage` (a device), the values are on that device: see
+        _read_staged."""
         remote = [s for s in shards if s.remote is not None]
         if len(remote) > 1:
             # First use of several lazily restored shards: download them side by side.
@@ -595,6 +693,9 @@ class TieredStorage:
         starts, ends = starts_ends[g], starts_ends[g + 1]
         offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
         torch.cumsum(ends - starts, 0, out=offsets[1:])
+        if stage is not None:
+            values, failures = self._read_staged(shards, which, starts, ends, offsets, fields, stage)
+            return offsets, values, failures
         order = torch.argsort(which, stable=True)  # the reader takes each shard's rows as one stretch
         row_table = torch.stack([starts[order], ends[order], offsets[:-1][order]], 1)
         counts = torch.bincount(which, minlength=len(shards)).tolist()
@@ -643,6 +744,98 @@ class TieredStorage:
                 # rollout goes now rather than one failed batch at a time.
                 failures[i] = CorruptRows(shard.id, self._scan_bad_rows(shard), f"checksum mismatch in field {name!r}")
         return offsets, values, failures
+
+    def _read_staged(self, shards: list[_Shard], which: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                     offsets: torch.Tensor, fields: list[str], device: torch.device
+                     ) -> tuple[dict[tuple, torch.Tensor], dict[int, CorruptRows]]:
+        """Cold rows straight into `device` memory: the page runs covering the rows are read into
+        one staging tensor there (kvikio preads, all in flight together; on the host, preads), each
+        page is checksummed where it landed (span_crc32), then the token rows are gathered into
+        the packed tensors by device indexing. The host plans from the shard headers and sees only
+        the mismatch flags, so the bytes never round-trip through host memory.
+
+        Row k (of shards[which[k]]) holds tokens [starts[k], ends[k]) and goes to packed rows
+        [offsets[k], offsets[k + 1]). Returns ({(field, dtype, shape): values}, {shard position:
+        CorruptRows}), like the host reader."""
+        total = int(offsets[-1])
+        values: dict[tuple, torch.Tensor] = {}
+        spans: list[tuple[str, int, int, int]] = []  # (path, file offset, bytes, staging offset)
+        span_owner: list[int] = []
+        page_spans, page_expect, page_owner = [], [], []  # per page: (staging offset, bytes), crc, shard
+        gathers = []  # (shard position, key, staging byte offset per token, packed row per token, row bytes)
+        staged = 0
+        for i, shard in enumerate(shards):
+            mine = (which == i).nonzero().flatten()
+            s_tok, e_tok, dest = starts[mine], ends[mine], offsets[:-1][mine]
+            keep = e_tok > s_tok
+            s_tok, e_tok, dest = s_tok[keep], e_tok[keep], dest[keep]
+            crcs, base = self._crc_table(shard)
+            header = shard.header
+            page = header.page_size
+            for name in fields:
+                if name not in shard.token_fields:
+                    continue
+                block = header.blocks[name]
+                key = (name, block.dtype, block.shape)
+                if key not in values:
+                    values[key] = torch.empty((total, *block.shape), dtype=block.dtype, device=device)
+                rb = block.row_bytes
+                if not rb or not s_tok.numel():
+                    continue
+                first, last = s_tok * rb // page, (e_tok * rb - 1) // page
+                pages = torch.unique(_ranges(first, last + 1))
+                is_start = torch.ones(pages.numel(), dtype=torch.bool)
+                is_start[1:] = pages[1:] != pages[:-1] + 1
+                run_first = pages[is_start]
+                run_pages = torch.diff(torch.cat([is_start.nonzero().flatten(), torch.tensor([pages.numel()])]))
+                run_bytes = torch.minimum((run_first + run_pages) * page, torch.tensor(block.nbytes)) - run_first * page
+                aligned = (run_bytes + page - 1) // page * page  # runs start page-aligned in staging too
+                run_at = staged + torch.cumsum(aligned, 0) - aligned
+                staged += int(aligned.sum())
+                for p0, nbytes, at in zip(run_first.tolist(), run_bytes.tolist(), run_at.tolist()):
+                    spans.append((shard.path, block.offset + p0 * page, nbytes, at))
+                    span_owner.append(i)
+                run_of_page = torch.cumsum(is_start.to(torch.int64), 0) - 1
+                page_at = run_at[run_of_page] + (pages - run_first[run_of_page]) * page
+                page_spans.append(torch.stack([page_at, torch.clamp(block.nbytes - pages * page, max=page)], 1))
+                page_expect.append(crcs[base[name] + pages])
+                page_owner.append(torch.full((pages.numel(),), i, dtype=torch.int64))
+                tokens = _ranges(s_tok, e_tok)
+                token_byte = tokens * rb
+                run = torch.searchsorted(run_first, token_byte // page, right=True) - 1
+                gathers.append((i, key, run_at[run] + token_byte - run_first[run] * page, _ranges(dest, dest + (e_tok - s_tok)),
+                                rb))
+        failures: dict[int, CorruptRows] = {}
+        staging = torch.empty(max(staged, 1), dtype=torch.uint8, device=device)
+        got = self.io.read_spans(spans, staging) if spans else []
+        self.counters["cold_reads"] += len(shards)
+        for (path, _, nbytes, _), owner, result in zip(spans, span_owner, got):
+            self.counters["cold_requests"] += 1
+            if isinstance(result, OSError):
+                reason = str(storage_error(result, "cannot read shard", path))
+            elif result != nbytes:
+                reason = f"short read from {path}: {result} of {nbytes} bytes (truncated file?)"
+            else:
+                self.counters["cold_bytes_read"] += nbytes
+                self.counters["device_staged_bytes"] += nbytes
+                continue
+            failures.setdefault(owner, CorruptRows(shards[owner].id, list(range(shards[owner].n)), reason))
+        if page_spans:
+            page_table = torch.cat(page_spans).to(device)
+            expect = torch.cat(page_expect).to(device)
+            # The one host sync of the read: which pages, if any, failed their checksum.
+            bad_pages = (ops.span_crc32(staging, page_table) != expect).nonzero().flatten().cpu()
+            for i in torch.unique(torch.cat(page_owner)[bad_pages]).tolist():
+                if i not in failures:
+                    failures[i] = CorruptRows(shards[i].id, self._scan_bad_rows(shards[i]), "checksum mismatch")
+        for i, key, byte_at, packed_rows, rb in gathers:
+            if i in failures:
+                continue
+            _, dtype, shape = key
+            index = byte_at.to(device)[:, None] + torch.arange(rb, device=device)
+            rows = staging[index].view(dtype).reshape(-1, *shape)
+            values[key].index_copy_(0, packed_rows.to(device), rows)
+        return values, failures
 
     def _read_rows(self, paths: list[str], segments: list[tuple[int, ...]], row_parts: list[torch.Tensor],
                    crc_parts: list[torch.Tensor], dests: list[torch.Tensor],
@@ -700,6 +893,7 @@ class TieredStorage:
 
     def metrics(self) -> dict[str, float]:
         hot = sum(1 for s in self._shards.values() if s.token is not None)
-        return {"storage_hot_bytes": self._hot_bytes, "storage_shards": len(self._shards), "storage_hot_shards": hot,
+        return {"storage_hot_bytes": self._hot_bytes, "storage_device_bytes": self._device_used,
+                "storage_shards": len(self._shards), "storage_hot_shards": hot,
                 "storage_cold_shards": len(self._shards) - hot,
                 **{f"storage_{k}": v for k, v in self.counters.items()}}
