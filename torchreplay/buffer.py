@@ -1023,8 +1023,9 @@ class RolloutBuffer:
         self.close()
 
     def to(self, device: torch.device | str) -> "RolloutBuffer":
-        """Move the sampler's priority tree to `device` (CPU or CUDA); payloads stay in host memory
-        and are moved per batch by `sample(device=...)`."""
+        """Move the sampler's priority tree to `device` (CPU or CUDA). Payloads stay where the
+        storage keeps them (host RAM, disk, and a VRAM tier with TieredStorage(device_bytes=...));
+        `sample(device=...)` puts each batch together there."""
         self.sampler.to(device)
         return self
 

@@ -270,9 +270,10 @@ class KvikioIO:
             except OSError as exc:
                 for i in members:
                     results[i] = exc
-            except RuntimeError as exc:  # kvikio reports cuFile failures as RuntimeError
+            except RuntimeError as exc:  # kvikio reports cuFile failures, a missing file included, so
+                code = errno.EIO if os.path.exists(path) else errno.ENOENT
                 for i in members:
-                    results[i] = OSError(errno.EIO, f"kvikio: {exc}")
+                    results[i] = OSError(code, f"kvikio: {exc}")
         return results
 
     def close(self) -> None:
