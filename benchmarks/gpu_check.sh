@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared script for a machine with an NVIDIA GPU: builds the CUDA extension, runs the CUDA
-# tests (tree, buffer, kvikio storage) and the GPU tree benchmark, and writes a JSON + Markdown
+# tests (tree, buffer, device tier, kvikio storage), the GPU tree benchmark and the device-storage
+# benchmark (VRAM tier, kvikio reads into device memory), and writes a JSON + Markdown
 # summary under $OUT (default: ./gpu_out). Every step runs even if an earlier one fails; the exit
 # status is non-zero if any failed.
 #   usage: OUT=/some/dir bash benchmarks/gpu_check.sh
@@ -21,6 +22,9 @@ step build bash -c ".venv-gpu/bin/pip install -q --no-build-isolation --no-deps 
 step cuda_tests .venv-gpu/bin/python -m pytest -q -rs -m cuda tests
 step cpu_tests .venv-gpu/bin/python -m pytest -q -x tests/test_tree.py tests/test_buffer.py tests/test_storage.py
 step bench_gpu_tree .venv-gpu/bin/python benchmarks/bench_gpu_tree.py --out "$OUT/bench_gpu_tree.md"
+# The VRAM tier and kvikio reads straight into device memory, against host assembly + copy.
+step bench_device_storage .venv-gpu/bin/python benchmarks/bench_device_storage.py --device cuda --size-mib 2048 \
+  --out "$OUT/bench_device_storage.md"
 .venv-gpu/bin/python - "$OUT" "$status" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -32,9 +36,10 @@ for log in sorted(out.glob("*.log")):
 md = ["# GPU check", "", f"status: {'ok' if summary['status'] == 0 else 'FAILED'}", ""]
 for name, tail in summary["logs"].items():
     md += [f"## {name}", "", "```", *tail, "```", ""]
-bench = out / "bench_gpu_tree.md"
-if bench.exists():
-    md += [bench.read_text()]
+for name in ("bench_gpu_tree.md", "bench_device_storage.md"):
+    bench = out / name
+    if bench.exists():
+        md += [bench.read_text()]
 (out / "summary.md").write_text("\n".join(md))
 PY
 exit $status

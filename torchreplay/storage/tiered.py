@@ -806,7 +806,7 @@ class TieredStorage:
                 gathers.append((i, key, run_at[run] + token_byte - run_first[run] * page, _ranges(dest, dest + (e_tok - s_tok)),
                                 rb))
         failures: dict[int, CorruptRows] = {}
-        staging = torch.empty(max(staged, 1), dtype=torch.uint8, device=device)
+        staging = torch.empty(max(staged, fmt.ALIGN), dtype=torch.uint8, device=device)
         got = self.io.read_spans(spans, staging) if spans else []
         self.counters["cold_reads"] += len(shards)
         for (path, _, nbytes, _), owner, result in zip(spans, span_owner, got):
@@ -832,9 +832,13 @@ class TieredStorage:
             if i in failures:
                 continue
             _, dtype, shape = key
-            index = byte_at.to(device)[:, None] + torch.arange(rb, device=device)
-            rows = staging[index].view(dtype).reshape(-1, *shape)
-            values[key].index_copy_(0, packed_rows.to(device), rows)
+            # Runs start page-aligned and rows are whole elements, so every token row starts on an
+            # element boundary of the staging bytes: index elements, not bytes.
+            elements = staging.view(dtype)
+            first = byte_at.to(device) // dtype.itemsize
+            per_row = rb // dtype.itemsize
+            picked = elements[first] if per_row == 1 else elements[first[:, None] + torch.arange(per_row, device=device)]
+            values[key].index_copy_(0, packed_rows.to(device), picked.reshape(-1, *shape))
         return values, failures
 
     def _read_rows(self, paths: list[str], segments: list[tuple[int, ...]], row_parts: list[torch.Tensor],
