@@ -735,20 +735,22 @@ class RolloutBuffer:
                 ops.pad_rows(host_values, source[host_rows], starts[host_rows].masked_fill(missing[host_rows], 0),
                              field_lengths[host_rows], torch.arange(host_rows.numel()), staged, left, fill)
                 out[host_rows.to(device)] = staged.to(device, non_blocking=pin)
-            there = [v for v, d in zip(values, gather.on_device) if d and v is not None]
-            if device_rows.numel() and there:
-                # Each device source's tokens laid end to end; a row's tokens start at its source's base.
-                sizes = torch.tensor([0 if v is None or not d else v.shape[0] for v, d in zip(values, gather.on_device)])
-                base = torch.cumsum(sizes, 0) - sizes
-                flat = torch.cat(there)
-                first = (base[source[device_rows]] + starts[device_rows]).to(device)
-                count = field_lengths[device_rows].to(device)
-                offset = column - (width - count)[:, None] if left else column.expand(device_rows.numel(), width)
-                valid = (offset >= 0) & (offset < count[:, None])
-                at = torch.where(valid, first[:, None] + offset, torch.zeros((), dtype=torch.int64, device=device))
-                picked = flat[at.clamp(max=flat.shape[0] - 1)]
-                keep = valid.reshape(*valid.shape, *([1] * len(spec.shape)))
-                out[device_row_there] = torch.where(keep, picked, torch.full((), fill, dtype=spec.dtype, device=device))
+            if device_rows.numel():
+                # Only the sampled tokens move: one view per row, one cat, one scatter into place.
+                # (Concatenating whole device shards would briefly double their VRAM per field.)
+                src, first, count = (source[device_rows].tolist(), starts[device_rows].tolist(),
+                                     field_lengths[device_rows].tolist())
+                views = [values[i][a : a + c] for i, a, c in zip(src, first, count) if c]
+                if views:
+                    flat = torch.cat(views)
+                    counts = field_lengths[device_rows].to(device)
+                    total = flat.shape[0]
+                    row = torch.repeat_interleave(device_row_there, counts, output_size=total)
+                    row_start = torch.cumsum(counts, 0) - counts
+                    col = torch.arange(total, device=device) - torch.repeat_interleave(row_start, counts, output_size=total)
+                    if left:
+                        col += torch.repeat_interleave(width - counts, counts, output_size=total)
+                    out[row, col] = flat
             data[name] = out
         return data
 
