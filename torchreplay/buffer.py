@@ -104,6 +104,7 @@ class _Plan:
     fields: list[str]
     reuse_output: bool = False
     device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
+    ready: Any = None  # CUDA event recorded after a device batch's last kernel (see PendingBatch)
 
 
 class _SlotTable:
@@ -484,7 +485,7 @@ class RolloutBuffer:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
             future = self._prefetcher.submit(self._materialize, plan)
-        return PendingBatch(self, future, device, (batch_size, generator))
+        return PendingBatch(self, future, device, (batch_size, generator), plan)
 
     def gather(self, slots: torch.Tensor, count_use: bool = True, weights: torch.Tensor | None = None,
                device: torch.device | str | None = None) -> ReplayBatch:
@@ -628,7 +629,11 @@ class RolloutBuffer:
     def _materialize(self, plan: _Plan) -> ReplayBatch:
         """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
         try:
-            return self._pad(plan)
+            batch = self._pad(plan)
+            if plan.device is not None and plan.device.type == "cuda":
+                plan.ready = torch.cuda.Event()
+                plan.ready.record(torch.cuda.current_stream(plan.device))
+            return batch
         finally:
             self.storage.unpin_shards(plan.shards)
 
@@ -1036,8 +1041,8 @@ class PendingBatch:
     """A batch being paged in. `result()` waits for it; if its rollouts turned out unreadable, they
     are evicted here (on the owner's thread) and, with on_corrupt='skip', a new batch is drawn."""
 
-    def __init__(self, buffer: RolloutBuffer, future: Future, device, redraw: tuple) -> None:
-        self._buffer, self._future, self._device, self._redraw = buffer, future, device, redraw
+    def __init__(self, buffer: RolloutBuffer, future: Future, device, redraw: tuple, plan: _Plan) -> None:
+        self._buffer, self._future, self._device, self._redraw, self._plan = buffer, future, device, redraw, plan
 
     def done(self) -> bool:
         return self._future.done()
@@ -1049,6 +1054,15 @@ class PendingBatch:
             self._buffer._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
             batch_size, generator = self._redraw
             return self._buffer.sample(batch_size, self._device, generator)
+        ready = self._plan.ready
+        if ready is not None:
+            # The batch was put together on the prefetch thread's stream: the caller's stream waits
+            # for it, and its memory is not reused while the caller's kernels may still read it.
+            stream = torch.cuda.current_stream(self._plan.device)
+            stream.wait_event(ready)
+            for t in batch.data.values():
+                if t.is_cuda:
+                    t.record_stream(stream)
         return batch if self._device is None else batch.to(self._device)
 
 

@@ -198,9 +198,39 @@ void test_portable_crc_matches_zlib() {
   }
 }
 
+// The GPU kernel's scheme: chunks hashed apart, then combined (crc32_portable.h).
+void test_chunked_crc_matches_zlib() {
+  uint32_t table[256];
+  for (uint32_t i = 0; i < 256; ++i) table[i] = torchreplay::crc::table_entry(i);
+  std::mt19937_64 rng(13);
+  std::vector<uint8_t> buf(65536 + 100);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (int i = 0; i < 300; ++i) {
+    const size_t n = i < 150 ? static_cast<size_t>(i) : (i % 7 == 0 ? 65536 : rng() % buf.size());
+    const int parts = i % 3 == 0 ? 64 : 1 + static_cast<int>(rng() % 100);
+    std::vector<uint32_t> chunk_crcs(parts);
+    for (int t = 0; t < parts; ++t) {
+      uint64_t lo = 0, hi = 0;
+      torchreplay::crc::chunk_bounds(n, parts, t, &lo, &hi);
+      chunk_crcs[t] = torchreplay::crc::crc32_table(table, 0, buf.data() + lo, hi - lo);
+    }
+    const uint32_t want = static_cast<uint32_t>(::crc32(0, buf.data(), static_cast<uInt>(n)));
+    const uint32_t got = torchreplay::crc::combine_chunks(chunk_crcs.data(), parts, n);
+    CHECK(want == got, "n=%zu parts=%d: zlib %08x, chunked %08x", n, parts, want, got);
+  }
+  for (int i = 0; i < 50; ++i) {
+    const size_t a = rng() % 5000, b = rng() % 5000;
+    const uint32_t ca = static_cast<uint32_t>(::crc32(0, buf.data(), static_cast<uInt>(a)));
+    const uint32_t cb = static_cast<uint32_t>(::crc32(0, buf.data() + a, static_cast<uInt>(b)));
+    const uint32_t want = static_cast<uint32_t>(::crc32_combine(ca, cb, static_cast<z_off_t>(b)));
+    CHECK(torchreplay::crc::crc32_combine(ca, cb, b) == want, "combine a=%zu b=%zu", a, b);
+  }
+}
+
 }  // namespace
 
 int main() {
+  test_chunked_crc_matches_zlib();
   test_crc_matches_zlib();
   test_portable_crc_matches_zlib();
   char tmpl[] = "/tmp/torchreplay-reader-test-XXXXXX";

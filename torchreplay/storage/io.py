@@ -177,27 +177,36 @@ class PosixIO:
         if staging.device.type != "cpu":
             raise ValueError(f"the POSIX back end reads into host memory, not {staging.device}")
         view = memoryview(staging.numpy()).cast("B")
+        by_path: dict[str, list[int]] = {}
+        for i, (path, _, _, _) in enumerate(spans):
+            by_path.setdefault(path, []).append(i)
+        results: list[int | OSError] = [0] * len(spans)
 
-        def read(span: tuple[str, int, int, int]) -> int | OSError:
-            path, offset, nbytes, at = span
+        def read_file(path: str) -> None:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                return exc
+                for i in by_path[path]:
+                    results[i] = exc
+                return
             try:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [view[at + done : at + nbytes]], offset + done)
-                    if got == 0:
-                        break
-                    done += got
-                return done
-            except OSError as exc:
-                return exc
+                for i in by_path[path]:
+                    _, offset, nbytes, at = spans[i]
+                    done = 0
+                    try:
+                        while done < nbytes:
+                            got = os.preadv(fd, [view[at + done : at + nbytes]], offset + done)
+                            if got == 0:
+                                break
+                            done += got
+                        results[i] = done
+                    except OSError as exc:
+                        results[i] = exc
             finally:
                 os.close(fd)
 
-        return list(self.pool.map(read, spans))
+        list(self.pool.map(read_file, list(by_path)))
+        return results
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -214,6 +223,7 @@ class KvikioIO:
 
         self._kvikio = kvikio
         self.threads = threads
+        _widen_kvikio_pool(kvikio, threads)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchreplay-kvikio")
         self._posix = PosixIO(threads=threads)
 
@@ -260,25 +270,58 @@ class KvikioIO:
         for i, (path, _, _, _) in enumerate(spans):
             by_path.setdefault(path, []).append(i)
         results: list[int | OSError] = [0] * len(spans)
+
+        def failure(exc: Exception) -> OSError:
+            if isinstance(exc, OSError):
+                return exc
+            # kvikio reports cuFile failures, a missing file included, as RuntimeError.
+            return OSError(errno.EIO if os.path.exists(path) else errno.ENOENT, f"kvikio: {exc}")
+
         for path, members in by_path.items():
             try:
-                with self._kvikio.CuFile(path, "r") as f:
-                    futures = [(i, f.pread(staging[spans[i][3] : spans[i][3] + spans[i][2]], size=spans[i][2],
-                                           file_offset=spans[i][1])) for i in members]
-                    for i, fut in futures:
+                f = self._kvikio.CuFile(path, "r")
+            except (OSError, RuntimeError) as exc:
+                for i in members:
+                    results[i] = failure(exc)
+                continue
+            try:
+                futures = []
+                for i in members:
+                    try:
+                        futures.append((i, f.pread(staging[spans[i][3] : spans[i][3] + spans[i][2]],
+                                                   size=spans[i][2], file_offset=spans[i][1])))
+                    except (OSError, RuntimeError) as exc:
+                        results[i] = failure(exc)
+                # Every issued read is waited for, failed or not: none may still be writing into
+                # the staging memory once this returns.
+                for i, fut in futures:
+                    try:
                         results[i] = int(fut.get())
-            except OSError as exc:
-                for i in members:
-                    results[i] = exc
-            except RuntimeError as exc:  # kvikio reports cuFile failures, a missing file included, so
-                code = errno.EIO if os.path.exists(path) else errno.ENOENT
-                for i in members:
-                    results[i] = OSError(code, f"kvikio: {exc}")
+                    except (OSError, RuntimeError) as exc:
+                        results[i] = failure(exc)
+            finally:
+                f.close()
         return results
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self._posix.close()
+
+
+def _widen_kvikio_pool(kvikio: Any, threads: int) -> None:
+    """kvikio splits each pread over its own thread pool, one thread unless configured
+    (KVIKIO_NTHREADS): widen it to `threads`, never narrow what someone else set."""
+    defaults = kvikio.defaults
+    try:
+        current = int(defaults.get("num_threads")) if hasattr(defaults, "get") else int(defaults.get_num_threads())
+        if current >= threads:
+            return
+        if hasattr(defaults, "set"):
+            defaults.set("num_threads", threads)  # kvikio >= 25.04
+        else:
+            defaults.num_threads_reset(threads)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        log.info("torchreplay storage: cannot size kvikio's thread pool (%s); it keeps its default", exc)
 
 
 def cuda_driver_present() -> bool:
