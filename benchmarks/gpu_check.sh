@@ -23,7 +23,7 @@ step cuda_tests .venv-gpu/bin/python -m pytest -q -rs -m cuda tests
 step cpu_tests .venv-gpu/bin/python -m pytest -q -x tests/test_tree.py tests/test_buffer.py tests/test_storage.py
 step bench_gpu_tree .venv-gpu/bin/python benchmarks/bench_gpu_tree.py --out "$OUT/bench_gpu_tree.md"
 # The VRAM tier and kvikio reads straight into device memory, against host assembly + copy.
-step bench_device_storage .venv-gpu/bin/python benchmarks/bench_device_storage.py --device cuda --size-mib 2048 \
+step bench_device_storage .venv-gpu/bin/python benchmarks/bench_device_storage.py --device cuda --size-mib 1024 \
   --out "$OUT/bench_device_storage.md"
 .venv-gpu/bin/python - "$OUT" "$status" <<'PY'
 import json, pathlib, sys
