@@ -218,6 +218,7 @@ class RolloutBuffer:
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.on_corrupt = on_corrupt
         self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_stream: torch.cuda.Stream | None = None  # see _materialize_ahead
         self._arenas: dict[str, torch.Tensor] = {}
         self._next_seq = 0
         # Free slots as a stack: the lowest slot is reused first, deterministically.
@@ -484,7 +485,7 @@ class RolloutBuffer:
         else:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
-            future = self._prefetcher.submit(self._materialize, plan)
+            future = self._prefetcher.submit(self._materialize_ahead, plan)
         return PendingBatch(self, future, device, (batch_size, generator), plan)
 
     def gather(self, slots: torch.Tensor, count_use: bool = True, weights: torch.Tensor | None = None,
@@ -637,6 +638,17 @@ class RolloutBuffer:
         finally:
             self.storage.unpin_shards(plan.shards)
 
+    def _materialize_ahead(self, plan: _Plan) -> ReplayBatch:
+        """`_materialize` on the prefetch thread. A CUDA batch is built on a stream of its own: on
+        the default stream its kernels (and the sync before a staged read) would queue behind the
+        trainer's whole step; PendingBatch.result hands it over with an event."""
+        if plan.device is None or plan.device.type != "cuda":
+            return self._materialize(plan)
+        if self._prefetch_stream is None:
+            self._prefetch_stream = torch.cuda.Stream(plan.device)
+        with torch.cuda.stream(self._prefetch_stream):
+            return self._materialize(plan)
+
     def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reuse: bool) -> torch.Tensor:
         """An uninitialized padded output (every element is written by pad_rows). With `reuse`, a
         view of a per-field arena kept across calls: writing into warm memory instead of freshly
@@ -755,7 +767,7 @@ class RolloutBuffer:
                     col = torch.arange(total, device=device) - torch.repeat_interleave(row_start, counts, output_size=total)
                     if left:
                         col += torch.repeat_interleave(width - counts, counts, output_size=total)
-                    out[row, col] = flat
+                    out[row, col] = flat.to(spec.dtype)
             data[name] = out
         return data
 

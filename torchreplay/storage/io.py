@@ -264,43 +264,48 @@ class KvikioIO:
         return device.type == "cuda"
 
     def read_spans(self, spans: Sequence[tuple[str, int, int, int]], staging: torch.Tensor) -> list[int | OSError]:
-        """cuFile preads straight into `staging` (GPUDirect Storage where the platform has it),
-        every span of a file issued before any is waited on."""
+        """cuFile preads straight into `staging` (GPUDirect Storage where the platform has it).
+        Files are read side by side on the back end's threads: kvikio runs a device pread below
+        its gds_threshold (1 MiB by default, more than most page runs) synchronously in the
+        calling thread, so issuing them all from one thread would read one at a time."""
         by_path: dict[str, list[int]] = {}
         for i, (path, _, _, _) in enumerate(spans):
             by_path.setdefault(path, []).append(i)
         results: list[int | OSError] = [0] * len(spans)
 
-        def failure(exc: Exception) -> OSError:
+        def failure(path: str, exc: Exception) -> OSError:
             if isinstance(exc, OSError):
                 return exc
             # kvikio reports cuFile failures, a missing file included, as RuntimeError.
             return OSError(errno.EIO if os.path.exists(path) else errno.ENOENT, f"kvikio: {exc}")
 
-        for path, members in by_path.items():
+        def read_file(path: str) -> None:
+            members = by_path[path]
             try:
                 f = self._kvikio.CuFile(path, "r")
-            except (OSError, RuntimeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - reported per span, like an OSError
                 for i in members:
-                    results[i] = failure(exc)
-                continue
+                    results[i] = failure(path, exc)
+                return
+            futures = []
             try:
-                futures = []
                 for i in members:
                     try:
                         futures.append((i, f.pread(staging[spans[i][3] : spans[i][3] + spans[i][2]],
                                                    size=spans[i][2], file_offset=spans[i][1])))
-                    except (OSError, RuntimeError) as exc:
-                        results[i] = failure(exc)
+                    except Exception as exc:  # noqa: BLE001
+                        results[i] = failure(path, exc)
+            finally:
                 # Every issued read is waited for, failed or not: none may still be writing into
                 # the staging memory once this returns.
                 for i, fut in futures:
                     try:
                         results[i] = int(fut.get())
-                    except (OSError, RuntimeError) as exc:
-                        results[i] = failure(exc)
-            finally:
+                    except Exception as exc:  # noqa: BLE001
+                        results[i] = failure(path, exc)
                 f.close()
+
+        list(self.pool.map(read_file, list(by_path)))
         return results
 
     def close(self) -> None:
@@ -313,7 +318,12 @@ def _widen_kvikio_pool(kvikio: Any, threads: int) -> None:
     (KVIKIO_NTHREADS): widen it to `threads`, never narrow what someone else set."""
     defaults = kvikio.defaults
     try:
-        current = int(defaults.get("num_threads")) if hasattr(defaults, "get") else int(defaults.get_num_threads())
+        if hasattr(defaults, "get"):
+            current = int(defaults.get("num_threads"))
+        elif hasattr(defaults, "get_num_threads"):
+            current = int(defaults.get_num_threads())
+        else:
+            current = int(defaults.num_threads())
         if current >= threads:
             return
         if hasattr(defaults, "set"):

@@ -835,7 +835,11 @@ class TieredStorage:
                 continue
             failures.setdefault(owner, CorruptRows(shards[owner].id, list(range(shards[owner].n)), reason))
         if page_spans:
-            page_table = torch.cat(page_spans).to(device)
+            page_table = torch.cat(page_spans)
+            if int((page_table[:, 0] + page_table[:, 1]).max()) > staging.numel():
+                # The CUDA checksum would report this as a mismatch (and evict); it is a planning bug.
+                raise StorageError("staged read: a page span runs past the staging buffer (internal error)")
+            page_table = page_table.to(device)
             expect = torch.cat(page_expect).to(device)
             # The one host sync of the read: which pages, if any, failed their checksum.
             bad_pages = (ops.span_crc32(staging, page_table) != expect).nonzero().flatten().cpu()
