@@ -514,3 +514,55 @@ def test_memory_stays_within_the_hot_budget(tmp_path):
     spilled, growth = (int(x) for x in out.stdout.split()[1::2])
     assert spilled >= 380 << 20
     assert growth <= (32 << 20) + (96 << 20), f"RSS grew {growth / 2**20:.0f} MiB"
+
+
+def test_kvikio_read_spans_waits_for_every_issued_read_and_maps_failures(tmp_path):
+    """The error handling of KvikioIO.read_spans, with a stand-in for kvikio's CuFile (the real
+    one needs a CUDA driver; tests marked cuda run it). A pread that raises must not leave earlier
+    reads of the same file unwaited, and a missing file must read as vanished (ENOENT)."""
+    import errno
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchreplay.storage.io import KvikioIO
+
+    waited, closed = [], []
+
+    class Future:
+        def __init__(self, n):
+            self.n = n
+
+        def get(self):
+            waited.append(self.n)
+            return self.n
+
+    class CuFile:
+        def __init__(self, path, mode):
+            if not os.path.exists(path):
+                raise RuntimeError(f"cuFile open failed: {path}")
+            self.path = path
+
+        def pread(self, buf, size, file_offset):
+            if file_offset == 3 * 4096:
+                raise ValueError("buffer rejected")
+            return Future(size)
+
+        def close(self):
+            closed.append(self.path)
+
+    class FakeKvikio:
+        pass
+
+    FakeKvikio.CuFile = CuFile
+    io = KvikioIO.__new__(KvikioIO)
+    io._kvikio, io.threads, io.pool = FakeKvikio, 2, ThreadPoolExecutor(2)
+    present = tmp_path / "shard"
+    present.write_bytes(bytes(5 * 4096))
+    staging = torch.empty(5 * 4096, dtype=torch.uint8)
+    spans = [(str(present), 0, 4096, 0), (str(present), 3 * 4096, 4096, 4096), (str(present), 4096, 100, 8192),
+             (str(tmp_path / "gone"), 0, 10, 12288)]
+    got = io.read_spans(spans, staging)
+    assert got[0] == 4096 and got[2] == 100 and sorted(waited) == [100, 4096]
+    assert isinstance(got[1], OSError) and got[1].errno == errno.EIO
+    assert isinstance(got[3], OSError) and got[3].errno == errno.ENOENT
+    assert closed == [str(present)]
+    io.pool.shutdown()
