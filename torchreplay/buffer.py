@@ -17,7 +17,7 @@ from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
 from torchreplay.storage import CorruptRows, TieredStorage
-from torchreplay.storage.tiered import row_base
+from torchreplay.storage.tiered import ranges, row_base
 
 if TYPE_CHECKING:
     from torchreplay.checkpoint import Checkpointer
@@ -763,11 +763,8 @@ class RolloutBuffer:
                     counts = field_lengths[device_rows].to(device)
                     total = flat.shape[0]
                     row = torch.repeat_interleave(device_row_there, counts, output_size=total)
-                    row_start = torch.cumsum(counts, 0) - counts
-                    col = torch.arange(total, device=device) - torch.repeat_interleave(row_start, counts, output_size=total)
-                    if left:
-                        col += torch.repeat_interleave(width - counts, counts, output_size=total)
-                    out[row, col] = flat.to(spec.dtype)
+                    first_col = width - counts if left else torch.zeros_like(counts)
+                    out[row, ranges(first_col, first_col + counts, total)] = flat.to(spec.dtype)
             data[name] = out
         return data
 
@@ -1084,7 +1081,7 @@ def _subset(batch: PackedBatch, index: torch.Tensor) -> PackedBatch:
     lengths = ends - starts
     offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    token_rows = torch.repeat_interleave(starts - offsets[:-1], lengths) + torch.arange(int(offsets[-1]))
+    token_rows = ranges(starts, ends, int(offsets[-1]))
     return PackedBatch(n=index.numel(), offsets=offsets, token={k: v[token_rows] for k, v in batch.token.items()},
                        rollout={k: v[index] for k, v in batch.rollout.items()})
 

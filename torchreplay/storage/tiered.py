@@ -55,6 +55,14 @@ def _layout(shard: _Shard, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
     return block.dtype, block.shape
 
 
+def _token_blocks(shard: _Shard, fields: Iterable[str]):
+    """(block, (name, dtype, shape)) for each requested token field the shard stores."""
+    for name in fields:
+        if name in shard.token_fields:
+            block = shard.header.blocks[name]
+            yield block, (name, block.dtype, block.shape)
+
+
 def _same_layout(shards: list[_Shard], fields: list[str]) -> bool:
     """Whether the shards store the same requested token fields in the same dtypes and shapes, and
     the same rollout fields: then their rows can share one packed batch."""
@@ -73,12 +81,15 @@ def row_base(batches: list, extra: int) -> torch.Tensor:
     return torch.cumsum(sizes, 0)
 
 
-def _ranges(begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Every integer of [begin[k], end[k]) for each k, in order, as one tensor."""
+def ranges(begin: torch.Tensor, end: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Every integer of [begin[k], end[k]) for each k, in order, as one tensor (on begin's device).
+    Pass `total` (the sum of the lengths) when it is known, to spare a device sync."""
     counts = end - begin
-    total = int(counts.sum()) if counts.numel() else 0
+    if total is None:
+        total = int(counts.sum()) if counts.numel() else 0
     run_start = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(begin - run_start, counts, output_size=total) + torch.arange(total)
+    return (torch.repeat_interleave(begin - run_start, counts, output_size=total)
+            + torch.arange(total, device=begin.device))
 
 
 # ------------------------------------------------------------------------------- hot policies
@@ -718,18 +729,14 @@ class TieredStorage:
         for i, shard in enumerate(shards):
             crcs, base = self._crc_table(shard)
             header = shard.header
-            for name in fields:
-                if name not in shard.token_fields:
-                    continue
-                block = header.blocks[name]
-                key = (name, block.dtype, block.shape)
+            for block, key in _token_blocks(shard, fields):
                 if key not in values:
                     values[key] = torch.empty((total, *block.shape), dtype=block.dtype)
                     dest_of[key] = len(dest_of)
                 # The reader checks these rows against the block and the block against the file.
                 segments.append((i, block.offset, block.nbytes, block.row_bytes, header.page_size,
-                                 n_crcs + base[name], dest_of[key], first, first + counts[i]))
-                owners.append((i, name))
+                                 n_crcs + base[block.name], dest_of[key], first, first + counts[i]))
+                owners.append((i, block.name))
             crc_parts.append(crcs)
             n_crcs += crcs.numel()
             first += counts[i]
@@ -781,18 +788,14 @@ class TieredStorage:
             crcs, base = self._crc_table(shard)
             header = shard.header
             page = header.page_size
-            for name in fields:
-                if name not in shard.token_fields:
-                    continue
-                block = header.blocks[name]
-                key = (name, block.dtype, block.shape)
+            for block, key in _token_blocks(shard, fields):
                 if key not in values:
                     values[key] = torch.empty((total, *block.shape), dtype=block.dtype, device=device)
                 rb = block.row_bytes
                 if not rb or not s_tok.numel():
                     continue
                 first, last = s_tok * rb // page, (e_tok * rb - 1) // page
-                pages = torch.unique(_ranges(first, last + 1))
+                pages = torch.unique(ranges(first, last + 1))
                 is_start = torch.ones(pages.numel(), dtype=torch.bool)
                 is_start[1:] = pages[1:] != pages[:-1] + 1
                 run_first = pages[is_start]
@@ -807,12 +810,12 @@ class TieredStorage:
                 run_of_page = torch.cumsum(is_start.to(torch.int64), 0) - 1
                 page_at = run_at[run_of_page] + (pages - run_first[run_of_page]) * page
                 page_spans.append(torch.stack([page_at, torch.clamp(block.nbytes - pages * page, max=page)], 1))
-                page_expect.append(crcs[base[name] + pages])
+                page_expect.append(crcs[base[block.name] + pages])
                 page_owner.append(torch.full((pages.numel(),), i, dtype=torch.int64))
-                tokens = _ranges(s_tok, e_tok)
+                tokens = ranges(s_tok, e_tok)
                 token_byte = tokens * rb
                 run = torch.searchsorted(run_first, token_byte // page, right=True) - 1
-                gathers.append((i, key, run_at[run] + token_byte - run_first[run] * page, _ranges(dest, dest + (e_tok - s_tok)),
+                gathers.append((i, key, run_at[run] + token_byte - run_first[run] * page, ranges(dest, dest + (e_tok - s_tok)),
                                 rb))
         failures: dict[int, CorruptRows] = {}
         staging = torch.empty(max(staged, fmt.ALIGN), dtype=torch.uint8, device=device)
