@@ -251,16 +251,18 @@ def test_uniform_sampler_is_uniform_over_live():
 
 
 @pytest.mark.parametrize("alpha", [0.6, 1.0])
-def test_prioritized_sampler_frequencies_and_weights(alpha):
-    sampler = tr.PrioritizedSampler(alpha=alpha, beta=0.5, eps=0.01)
+@pytest.mark.parametrize("weight_norm", ["buffer_max", "batch_max", "batch_mean"])
+def test_prioritized_sampler_frequencies_and_weights(alpha, weight_norm):
+    sampler = tr.PrioritizedSampler(alpha=alpha, beta=0.5, eps=0.01, weight_norm=weight_norm)
     buf, batch = filled(sampler)
     p = (batch["advantage"].double().abs() + 0.01) ** alpha
     counts = draw_counts(buf, 100, 256, seed=2)
     assert chi_square_p(counts[:40], p) > P_MIN
     out = buf.sample(64, generator=torch.Generator().manual_seed(3))
-    expected = (p[out.handles.slot] / p.min()) ** -0.5  # (N P_i)^-b / max_j (N P_j)^-b
-    torch.testing.assert_close(out.weights.double(), expected, rtol=1e-5, atol=0)
-    assert out.weights.max() <= 1.0
+    raw = (40 * p[out.handles.slot] / p.sum()) ** -0.5  # (N P_i)^-beta
+    scale = {"buffer_max": (40 * p.min() / p.sum()) ** -0.5, "batch_max": raw.max(), "batch_mean": raw.mean()}
+    torch.testing.assert_close(out.weights.double(), raw / scale[weight_norm], rtol=1e-5, atol=0)
+    assert buf.metrics()["replay_weight_mean"] == pytest.approx(float(out.weights.double().mean()))
 
 
 def test_freshness_sampler_decays_with_age_and_survives_rebase():
@@ -283,7 +285,7 @@ def test_freshness_sampler_decays_with_age_and_survives_rebase():
     n = len(versions)
     assert chi_square_p(draw_counts(buf, 60, 256, seed=1)[:n], expected(63)) > P_MIN
     buf.advance(65)  # 65 - 0 > rebase_after * tau = 64: the reference moves, live leaves are rewritten
-    assert sampler.rebases == 1 and sampler.t_ref == 65
+    assert sampler.rebases == 1 and sampler.t_ref == 64  # 65 rounded down to a multiple of 32 * tau
     buf.add(make_batch(8, version=65, seed=65, advantage=adv))
     versions += [65] * 8
     n = len(versions)
@@ -343,7 +345,8 @@ def test_staleness_eviction_is_exact_and_evicted_never_sampled():
     buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=2)
     for v in range(4):
         buf.add(make_batch(8, version=v, seed=20 + v))
-    assert buf.advance(4) == 16  # versions 0 and 1 are older than 4 - 2
+    assert len(buf) == 24  # adding version 3 already evicted version 0 (age 3 > 2)
+    assert buf.advance(4) == 8  # then version 1 is older than 4 - 2
     assert len(buf) == 16
     out = buf.sample(500, generator=torch.Generator().manual_seed(0))
     assert bool((out.policy_version >= 2).all())
@@ -382,7 +385,7 @@ def test_capacity_overflow_evicts_oldest_or_raises():
     first = buf.add(make_batch(6, seed=33))
     second = buf.add(make_batch(6, seed=34))
     assert len(buf) == 10 and buf.metrics()["evicted_capacity"] == 2
-    live_first = buf._table.live[first.slot] & (buf._table.generation[first.slot] == first.generation)
+    live_first = buf.slots.live[first.slot] & (buf.slots.generation[first.slot] == first.generation)
     assert live_first.tolist() == [False, False, True, True, True, True]
     assert set(second.slot.tolist()) == {0, 1, 6, 7, 8, 9}
     strict = tr.RolloutBuffer(10, overflow="raise")
@@ -403,11 +406,11 @@ def test_eviction_orders_stay_bounded_without_advance(max_staleness):
         added.append(buf.add(make_batch(16, version=step % 3, seed=step)))
         buf.sample(8)  # reuse cap 1: these die at once, out of insertion order
         bound = 2 * buf.capacity + 1024 + 16  # O(capacity), whatever the history
-        assert len(buf._fifo) <= bound and buf._version_entries <= bound
-    assert buf._version_entries == sum(len(b) for b in buf._by_version.values())
-    live = buf._table.live.nonzero().flatten()
-    oldest = live[torch.argmin(buf._table.seq[live])]
-    assert buf._fifo[0][0] == int(oldest)  # compaction kept insertion order
+        fifo_entries, version_entries = buf.slots.order_sizes()
+        assert fifo_entries <= bound and version_entries <= bound
+    live = buf.slots.live.nonzero().flatten()
+    oldest = live[torch.argmin(buf.slots.seq[live])]
+    assert int(buf.slots.oldest(1)) == int(oldest)  # compaction kept insertion order
     # The state carries no order lists: they are rebuilt from the slot table on load.
     state = buf.state_dict()
     assert "fifo" not in state and "by_version" not in state
@@ -416,12 +419,12 @@ def test_eviction_orders_stay_bounded_without_advance(max_staleness):
     for step in range(5):
         a, b = buf.add(make_batch(40, seed=900 + step)), twin.add(make_batch(40, seed=900 + step))
         assert torch.equal(a.slot, b.slot)
-        assert torch.equal(buf._table.live, twin._table.live) and torch.equal(buf._table.seq, twin._table.seq)
+        assert torch.equal(buf.slots.live, twin.slots.live) and torch.equal(buf.slots.seq, twin.slots.seq)
     # A staleness cap set after the fact still sees every live rollout's version.
     buf.max_staleness = 0
-    live_versions = buf._table.policy_version[buf._table.live]
+    live_versions = buf.slots.policy_version[buf.slots.live]
     expected = int((live_versions < 5).sum())
-    assert buf.advance(5) == expected and bool((buf._table.policy_version[buf._table.live] >= 5).all())
+    assert buf.advance(5) == expected and bool((buf.slots.policy_version[buf.slots.live] >= 5).all())
 
 
 def test_stale_handles_are_ignored_and_counted():
@@ -431,7 +434,7 @@ def test_stale_handles_are_ignored_and_counted():
     applied = buf.update_priorities(old, torch.tensor([100.0, 100.0, 5.0, 5.0]))
     assert applied == 2
     assert buf.metrics()["stale_handle_updates"] == 2
-    assert buf._table.advantage.tolist() == [1.0, 1.0, 5.0, 5.0]
+    assert buf.slots.advantage.tolist() == [1.0, 1.0, 5.0, 5.0]
     counts = draw_counts(buf, 50, 200, seed=6)
     assert chi_square_p(counts, torch.tensor([1.0, 1.0, 5.0, 5.0])) > P_MIN
 

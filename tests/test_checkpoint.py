@@ -43,7 +43,7 @@ def test_resume_is_exact(tmp_path, tiered):
     resumed = tr.RolloutBuffer.from_checkpoint(uri, storage=storage("b"), progress=False)
     assert len(resumed) == len(buf)
     for name in ("live", "generation", "reuse", "advantage", "policy_version", "seq"):
-        assert torch.equal(getattr(resumed._table, name), getattr(buf._table, name)), name
+        assert torch.equal(getattr(resumed.slots, name), getattr(buf.slots, name)), name
     assert torch.equal(resumed.sampler.tree.priorities, buf.sampler.tree.priorities)
     same_future(buf, resumed)
     buf.close()
@@ -175,8 +175,8 @@ def test_cross_run_import_shifts_versions_and_reprioritizes(tmp_path):
     new = tr.RolloutBuffer(32, sampler=tr.UniformSampler(), seed=1)
     handles = new.import_checkpoint(uri, version_offset=-3, reprioritize=lambda b: b["advantage"] * 0 + 2.0)
     assert len(handles) == 10 and len(new) == 10
-    assert bool((new._table.policy_version[handles.slot] == 0).all())
-    assert bool((new._table.advantage[handles.slot] == 2.0).all())
+    assert bool((new.slots.policy_version[handles.slot] == 0).all())
+    assert bool((new.slots.advantage[handles.slot] == 2.0).all())
     out = new.sample(10, generator=torch.Generator().manual_seed(0))
     for k, slot in enumerate(out.handles.slot.tolist()):
         src = (handles.slot == slot).nonzero()[0, 0]
@@ -207,7 +207,7 @@ def test_lazy_restore_then_checkpoint_elsewhere_carries_every_rollout(tmp_path):
     lazy.checkpoint()
     assert lazy.metrics()["storage_fetched_shards"] == len(read_manifest(open_store(first))["shards"])
     again = tr.RolloutBuffer.from_checkpoint(second, progress=False)
-    live = buf._table.live.nonzero().flatten()
+    live = buf.slots.live.nonzero().flatten()
     a, b = buf.gather(live, count_use=False), again.gather(live, count_use=False)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.reward, b.reward)
     for x in (buf, lazy, again):

@@ -37,7 +37,7 @@ def verify_resume(uri: str, spill: str) -> int:
     buf = tr.RolloutBuffer.from_checkpoint(uri, progress=False,
                                            storage=tr.TieredStorage(hot_bytes=0, spill_dir=spill, io="posix"))
     assert len(buf) == manifest["rollouts"]
-    live = buf._table.live.nonzero().flatten()
+    live = buf.slots.live.nonzero().flatten()
     if live.numel():
         batch = buf.gather(live, count_use=False)
         for k, gid in enumerate(batch.group_id.tolist()):

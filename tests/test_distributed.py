@@ -171,7 +171,7 @@ def _job_main(rank: int, world: int, out: dict) -> None:
     sent = sorted({(int(o), int(s)) for o, s in zip(b.handles.rank, b.handles.slot)})
     out["update_sent"] = sent
     out["update_applied"] = applied
-    out["update_table"] = buf.buffer._table.advantage[: SIZES[rank]].tolist()
+    out["update_table"] = buf.buffer.slots.advantage[: SIZES[rank]].tolist()
 
     # -- local mode: weights normalized over all ranks --------------------------------------------
     loc = DistributedRolloutBuffer(mode="local", capacity=32, sampler=sampler())
@@ -297,7 +297,7 @@ CKPT_CAPACITY = 40  # the resumed shards: 4 -> 2 ranks doubles each one's share
 
 def live_rollouts(buffer: Any) -> list[dict]:
     """Every live rollout of a RolloutBuffer shard, in slot order, with what must survive a resume."""
-    t = buffer._table
+    t = buffer.slots
     slots = t.live.nonzero().flatten()
     if not slots.numel():
         return []

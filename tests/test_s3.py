@@ -27,7 +27,7 @@ def assert_resume_matches(buf, uri, s3_server, tmp_path):
                                                storage=TieredStorage(hot_bytes=0, spill_dir=tmp_path / "r", io="posix"))
     assert len(resumed) == len(buf)
     for name in ("live", "generation", "reuse", "advantage", "policy_version"):
-        assert torch.equal(getattr(resumed._table, name), getattr(buf._table, name)), name
+        assert torch.equal(getattr(resumed.slots, name), getattr(buf.slots, name)), name
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     a, b = buf.sample(32, generator=g1), resumed.sample(32, generator=g2)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
@@ -141,18 +141,18 @@ def test_lazy_restore_downloads_a_shard_only_when_a_sample_needs_it(s3_server, s
     assert restore_bytes < 0.1 * shard_bytes, (restore_bytes, shard_bytes)
     assert not list(spill.glob("*.trs")) and resumed.metrics()["storage_fetched_shards"] == 0
     for name in ("live", "generation", "reuse", "advantage", "policy_version"):
-        assert torch.equal(getattr(resumed._table, name), getattr(buf._table, name)), name
+        assert torch.equal(getattr(resumed.slots, name), getattr(buf.slots, name)), name
 
     # Sample the rollouts of two shards only: exactly those two files come down, bit-identical.
-    wanted = ((buf._table.chunk == 1) | (buf._table.chunk == 4)).nonzero().flatten()
+    wanted = ((buf.slots.chunk == 1) | (buf.slots.chunk == 4)).nonzero().flatten()
     original, restored = buf.gather(wanted, count_use=False), resumed.gather(wanted, count_use=False)
     assert torch.equal(original.tokens, restored.tokens) and torch.equal(original.logprobs, restored.logprobs)
     assert resumed.metrics()["storage_fetched_shards"] == 2 and len(list(spill.glob("*.trs"))) == 2
     assert s3_server.faults.get_bytes - before < restore_bytes + 0.5 * shard_bytes
 
     # A shard that vanished from the store after the restore: a clear StorageError on first use.
-    others = ((resumed._table.chunk != resumed._table.chunk[wanted[0]])
-              & (resumed._table.chunk != resumed._table.chunk[wanted[-1]]) & resumed._table.live).nonzero().flatten()
+    others = ((resumed.slots.chunk != resumed.slots.chunk[wanted[0]])
+              & (resumed.slots.chunk != resumed.slots.chunk[wanted[-1]]) & resumed.slots.live).nonzero().flatten()
     store.delete([s["key"] for s in read_manifest(store)["shards"]])
     with pytest.raises(tr.StorageError, match="cannot fetch restored shard"):
         resumed.gather(others[:1], count_use=False)

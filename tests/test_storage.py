@@ -121,7 +121,7 @@ def test_mostly_dead_shards_are_compacted(tmp_path):
     buf.sample(1, generator=torch.Generator().manual_seed(0))
     while len(buf) > 8:
         buf.sample(1, generator=torch.Generator().manual_seed(len(buf)))
-    survivors = [s for s, g in handles if buf._table.live[s]]
+    survivors = [s for s, g in handles if buf.slots.live[s]]
     buf.advance(1)
     storage.flush()
     assert buf.metrics()["storage_compactions"] == 1
@@ -176,7 +176,7 @@ def test_corrupt_block_evicts_affected_rollouts_and_keeps_serving(tmp_path, mode
     good_handles = buf.add(good)
     bad_handles = buf.add(bad)
     storage.flush()
-    corrupt_block(storage.shard(int(buf._table.chunk[bad_handles.slot[0]])).path)
+    corrupt_block(storage.shard(int(buf.slots.chunk[bad_handles.slot[0]])).path)
     gen = torch.Generator().manual_seed(0)
     if mode == "raise":
         with pytest.raises(tr.StorageError, match="checksum"):
@@ -202,7 +202,7 @@ def test_vanished_file_raises_storage_error_and_evicts_its_rollouts(tmp_path, de
     keep = buf.add(make_batch(8, seed=7))
     lost = buf.add(make_batch(8, seed=8))
     storage.flush()
-    os.unlink(storage.shard(int(buf._table.chunk[lost.slot[0]])).path)
+    os.unlink(storage.shard(int(buf.slots.chunk[lost.slot[0]])).path)
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(tr.StorageError, match="vanished"):
         for _ in range(10):

@@ -1,140 +1,34 @@
-"""RolloutBuffer: rollout-level, advantage-prioritized, staleness-bounded replay."""
+"""RolloutBuffer: rollout-level, advantage-prioritized, staleness-bounded replay.
+
+The buffer orchestrates: the SlotTable keeps slots and eviction orders, the sampler chooses,
+the BatchAssembler pads, TieredStorage holds bytes. Every public call validates, then decides
+everything it will change, then commits, so an exception leaves the buffer as it was.
+"""
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
-from torchreplay._ops import ops
+from torchreplay.assembly import (BatchAssembler, Handles, Plan, ReplayBatch, concat, effective_sample_size,
+                                  subset)
 from torchreplay.errors import SchemaError, StorageError
 from torchreplay.samplers import PrioritizedSampler, Sampler
-from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, default_fields, validate_batch
+from torchreplay.schema import FieldSpec, PackedBatch, default_fields, validate_batch
+from torchreplay.slots import TABLE_FIELDS, SlotTable
 from torchreplay.storage import CorruptRows, TieredStorage
-from torchreplay.storage.tiered import ranges, row_base
 
 if TYPE_CHECKING:
     from torchreplay.checkpoint import Checkpointer
 
-# Per-rollout fields the slot table holds for samplers and metrics; everything else lives in chunks.
-_TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
+__all__ = ["RolloutBuffer", "PendingBatch", "Handles", "ReplayBatch"]
+
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
+SHORT_POLICIES = ("raise", "truncate")
 _STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Handles:
-    """Identifies stored rollouts across slot reuse: a handle is live while its generation matches."""
-
-    slot: torch.Tensor  # int64 [n]
-    generation: torch.Tensor  # int64 [n]
-
-    def __len__(self) -> int:
-        return self.slot.numel()
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return zip(self.slot.tolist(), self.generation.tolist())
-
-
-@dataclass
-class ReplayBatch:
-    """A padded training batch. `data` holds every field as [B, T, ...] (token) or [B] (rollout)
-    tensors: tokens, attention_mask, response_mask, logprobs, reward, advantage, group_id,
-    policy_version, prompt_len, plus optional/declared fields. Bookkeeping: handles, IS `weights`
-    (max 1), `age` (policy versions), `reuse` (times used before this batch), `is_fresh`."""
-
-    data: dict[str, torch.Tensor]
-    handles: Handles
-    weights: torch.Tensor
-    age: torch.Tensor
-    reuse: torch.Tensor
-    is_fresh: torch.Tensor
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        data = self.__dict__.get("data", {})
-        if name in data:
-            return data[name]
-        raise AttributeError(f"ReplayBatch has no field {name!r}; fields: {sorted(data)}")
-
-    def __len__(self) -> int:
-        return self.weights.numel()
-
-    def to(self, device: torch.device | str) -> "ReplayBatch":
-        """Move every tensor. From the CPU to CUDA this goes through pinned memory, non-blocking."""
-        device = torch.device(device)
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                return t
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
-
-        return ReplayBatch(
-            data={k: move(v) for k, v in self.data.items()},
-            handles=self.handles,
-            weights=move(self.weights),
-            age=move(self.age),
-            reuse=move(self.reuse),
-            is_fresh=move(self.is_fresh),
-        )
-
-
-@dataclass
-class _Plan:
-    """What a batch will hold, snapshotted on the trainer thread so that materializing it (padding,
-    cold reads) can run on a prefetch thread while the buffer moves on."""
-
-    slots: torch.Tensor
-    weights: torch.Tensor
-    is_fresh: torch.Tensor
-    shard_of: torch.Tensor
-    rows: torch.Tensor
-    meta: dict[str, torch.Tensor]
-    generation: torch.Tensor
-    age: torch.Tensor
-    reuse: torch.Tensor
-    shards: list
-    fields: list[str]
-    reuse_output: bool = False
-    device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
-    ready: Any = None  # CUDA event recorded after a device batch's last kernel (see PendingBatch)
-
-
-class _SlotTable:
-    """Per-slot metadata (CPU tensors), shared read-only with the sampler."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.live = torch.zeros(capacity, dtype=torch.bool)
-        self.generation = torch.zeros(capacity, dtype=torch.int64)
-        self.seq = torch.full((capacity,), -1, dtype=torch.int64)
-        self.reuse = torch.zeros(capacity, dtype=torch.int64)
-        self.advantage = torch.zeros(capacity, dtype=torch.float32)
-        self.reward = torch.zeros(capacity, dtype=torch.float32)
-        self.group_id = torch.zeros(capacity, dtype=torch.int64)
-        self.policy_version = torch.zeros(capacity, dtype=torch.int64)
-        self.prompt_len = torch.zeros(capacity, dtype=torch.int64)
-        self.chunk = torch.full((capacity,), -1, dtype=torch.int64)
-        self.row = torch.zeros(capacity, dtype=torch.int64)
-        self.version = 0
-        self.count = 0
-
-    TENSORS = ("live", "generation", "seq", "reuse", "advantage", "reward", "group_id", "policy_version",
-               "prompt_len", "chunk", "row")
-
-    @property
-    def current_version(self) -> int:
-        return self.version
-
-    def live_count(self) -> int:
-        return self.count
 
 
 class RolloutBuffer:
@@ -198,6 +92,8 @@ class RolloutBuffer:
             raise TypeError(f"storage must be a TieredStorage, got {type(storage).__name__}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+            raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.max_reuse = max_reuse
@@ -211,28 +107,18 @@ class RolloutBuffer:
         self.sampler: Sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(self.sampler, Sampler):
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(self.sampler).__name__}")
-        self._table = _SlotTable(capacity)
-        self.sampler.bind(self._table)
+        self.slots = SlotTable(capacity, track_versions=max_staleness is not None)
+        self.sampler.bind(self.slots)
         self.storage = storage if storage is not None else TieredStorage()
+        self.assembler = BatchAssembler(self.storage, self.fields, padding_side, self.pad_token_id)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.on_corrupt = on_corrupt
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetch_stream: torch.cuda.Stream | None = None  # see _materialize_ahead
-        self._arenas: dict[str, torch.Tensor] = {}
-        self._next_seq = 0
-        # Free slots as a stack: the lowest slot is reused first, deterministically.
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._fifo: deque[tuple[int, int]] = deque()  # (slot, seq) in insertion order
-        self._by_version: dict[int, list[tuple[int, int]]] = {}
-        self._version_heap: list[int] = []
-        self._version_entries = 0  # entries across all _by_version buckets, dead ones included
-        # Version buckets serve staleness eviction only; without a staleness cap they are not kept
-        # (and are built from the slot table if a cap is set later).
-        self._tracking_versions = max_staleness is not None
         self._counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
         self._counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self._last_ess = math.nan
+        self._last_replay_weight_mean = math.nan
         self.checkpointer = None
         if checkpoint is not None:
             from torchreplay.checkpoint import Checkpointer
@@ -242,34 +128,76 @@ class RolloutBuffer:
             self.checkpointer = checkpoint
             checkpoint.attach(self)
 
-    # ------------------------------------------------------------------------------------ adding
     def __len__(self) -> int:
-        return self._table.count
+        return self.slots.count
 
     @property
     def version(self) -> int:
-        """The current policy version: the highest passed to `advance` or seen in `add`."""
-        return self._table.version
+        """The current policy version: the highest passed to `advance`/`compose` or seen in `add`."""
+        return self.slots.version
 
+    # -------------------------------------------------------------------------------- the caps
+    def _stale(self, version: int) -> torch.Tensor:
+        """Live slots past the staleness cap at `version` (age = version - policy_version)."""
+        if self.max_staleness is None:
+            return torch.empty(0, dtype=torch.int64)
+        return self.slots.older_than(version - self.max_staleness)
+
+    def _remaining(self, excluded: torch.Tensor) -> torch.Tensor | None:
+        """Per slot, how many more times it may be returned (None: no limit anywhere)."""
+        if self.max_reuse is None and excluded.numel() == 0:
+            return None
+        t = self.slots
+        if self.max_reuse is None:
+            remaining = torch.full((self.capacity,), 2**62, dtype=torch.int64)
+        else:
+            remaining = (self.max_reuse - t.reuse).clamp(min=0)
+        remaining[~t.live] = 0
+        remaining[excluded] = 0
+        return remaining
+
+    def _draw(self, n: int, generator: torch.Generator, excluded: torch.Tensor,
+              if_short: str, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to n slots within every cap; all-or-nothing on the generator. A short draw raises
+        with if_short='raise', else is cut to a multiple of `multiple`."""
+        state = generator.get_state()
+        try:
+            slots, weights = self.sampler.sample(n, generator, self._remaining(excluded))
+            if slots.numel() < n:
+                if if_short == "raise":
+                    raise ValueError(
+                        f"cannot fill a batch of {n}: only {slots.numel()} draws fit the caps (live rollouts "
+                        f"{len(self)}, non-zero priority and reuse budget left); pass if_short='truncate' "
+                        "for a shorter batch")
+                keep = slots.numel() - slots.numel() % multiple
+                slots, weights = slots[:keep], weights[:keep]
+        except BaseException:
+            generator.set_state(state)
+            raise
+        return slots, weights
+
+    # ------------------------------------------------------------------------------ inserting
     def add(self, batch: Any) -> Handles:
         """Validate and store a batch of rollouts; returns their handles.
 
         `batch` is a dict (or TensorDict) with, per rollout: `tokens` (prompt + response),
         `response_mask`, `logprobs` (ragged: a list of 1-D tensors, a nested tensor, or
         {"values", "offsets"}), and `prompt_len`, `reward`, `advantage`, `group_id` ([n] tensors),
-        `policy_version` ([n] tensor or one int). Nothing changes unless the whole batch is valid.
+        `policy_version` ([n] tensor or one int). The data is copied once, into the buffer's shard.
+        A newer policy_version moves the buffer's version (and evicts what that makes stale).
+        Nothing changes unless the whole call succeeds.
         """
         packed = validate_batch(batch, self.fields)
         self._check_admissible(packed)
         self._tick()
-        return self._store(packed)
+        return self._insert(packed)
 
     def _check_admissible(self, packed: PackedBatch) -> None:
         if packed.n > self.capacity:
             raise SchemaError(f"batch of {packed.n} rollouts exceeds the buffer capacity {self.capacity}")
-        if self.overflow == "raise" and packed.n > len(self._free):
+        if self.overflow == "raise" and packed.n > len(self.slots.free):
             raise SchemaError(
-                f"buffer full: {packed.n} rollouts to add, {len(self._free)} free slots (overflow='raise')"
+                f"buffer full: {packed.n} rollouts to add, {len(self.slots.free)} free slots (overflow='raise')"
             )
         if self.max_staleness is not None:
             floor = max(self.version, int(packed.rollout["policy_version"].max())) - self.max_staleness
@@ -281,136 +209,100 @@ class RolloutBuffer:
                     f"older than the staleness cap allows (current {self.version}, max_staleness {self.max_staleness})"
                 )
 
-    def _store(self, packed: PackedBatch) -> Handles:
-        n = packed.n
-        if n > len(self._free):
-            self._evict_oldest(n - len(self._free))
-        slots = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
-        t = self._table
-        # Table-held per-rollout fields are not kept twice.
-        chunk_id = self._put_shard(PackedBatch(
-            n=n, offsets=packed.offsets, token=packed.token,
-            rollout={k: v for k, v in packed.rollout.items() if k not in _TABLE_FIELDS},
-        ))
-        seq = torch.arange(self._next_seq, self._next_seq + n, dtype=torch.int64)
-        self._next_seq += n
-        t.live[slots] = True
-        t.generation[slots] += 1
-        t.seq[slots] = seq
-        t.reuse[slots] = 0
-        for name in _TABLE_FIELDS:
-            getattr(t, name)[slots] = packed.rollout[name]
-        t.chunk[slots] = chunk_id
-        t.row[slots] = torch.arange(n, dtype=torch.int64)
-        t.count += n
-        t.version = max(t.version, int(packed.rollout["policy_version"].max()))
-        self._fifo.extend(zip(slots.tolist(), seq.tolist()))
-        if self._tracking_versions:
-            for slot, s, v in zip(slots.tolist(), seq.tolist(), packed.rollout["policy_version"].tolist()):
-                bucket = self._by_version.get(v)
-                if bucket is None:
-                    bucket = self._by_version[v] = []
-                    heapq.heappush(self._version_heap, v)
-                bucket.append((slot, s))
-            self._version_entries += n
-        # Evicted entries are skipped lazily; drop them once they outnumber the live ones, so the
-        # orders stay O(capacity) whether or not advance() is ever called.
-        bound = 2 * t.count + 1024
-        if len(self._fifo) > bound or self._version_entries > bound:
-            self._rebuild_orders()
+    def _insert(self, packed: PackedBatch) -> Handles:
+        """Store `packed` all-or-nothing: decide the victims, write the shard (the step that can
+        fail on I/O), then commit the table and sampler, undoing them if a hook raises."""
+        t, n = self.slots, packed.n
+        version = max(self.version, int(packed.rollout["policy_version"].max()))
+        stale = self._stale(version)
+        short = n - len(t.free) - stale.numel()
+        crowded = torch.empty(0, dtype=torch.int64)
+        if short > 0:
+            oldest = t.oldest(short + stale.numel())
+            crowded = oldest[~torch.isin(oldest, stale)][:short]
+        victims = torch.cat([stale, crowded])
+        shard = self._put_shard(PackedBatch(n=n, offsets=packed.offsets, token=packed.token,
+                                            rollout={k: v for k, v in packed.rollout.items() if k not in TABLE_FIELDS}))
+        undo = (t.snapshot_rows(victims), list(t.free), t.count, t.next_seq, t.version)
+        slots = torch.empty(0, dtype=torch.int64)
+        released: list[tuple[int, int]] = []
+        try:
+            released = self._kill(victims)
+            self._set_version(version)
+            slots = t.take(n)
+            taken_rows = t.snapshot_rows(slots)
+            t.insert(slots, packed.rollout, shard)
+            self.sampler.on_insert(slots)
+        except BaseException:
+            self._undo_insert(victims, slots, undo, taken_rows if slots.numel() else None)
+            self._release_shard(shard, n)
+            raise
+        for shard_id, rows in released:
+            self._release_shard(shard_id, rows)
+        self._counters["evicted_staleness"] += stale.numel()
+        self._counters["evicted_capacity"] += crowded.numel()
         self._counters["added"] += n
-        self.sampler.on_insert(slots)
         return Handles(slots, t.generation[slots].clone())
 
-    # ---------------------------------------------------------------------------------- eviction
-    def _alive(self, slot: int, seq: int) -> bool:
-        return bool(self._table.live[slot]) and int(self._table.seq[slot]) == seq
+    def _undo_insert(self, victims, slots, undo, taken_rows) -> None:
+        t = self.slots
+        victim_rows, free, count, next_seq, version = undo
+        if slots.numel():
+            self.sampler.on_remove(slots)
+            t.restore_rows(slots, taken_rows)
+        t.restore_rows(victims, victim_rows)
+        t.free, t.count, t.next_seq = free, count, next_seq
+        t.compact()
+        self._set_version(version, force=True)
+        if victims.numel():
+            self.sampler.on_insert(victims)
+
+    def _kill(self, slots: torch.Tensor) -> list[tuple[int, int]]:
+        """Remove live slots from the sampler and the table; returns the (shard, rows) to release
+        once the call commits (until then an undo can bring them back)."""
+        if slots.numel() == 0:
+            return []
+        self.sampler.on_remove(slots)
+        return self.slots.kill(slots)
+
+    def _set_version(self, version: int, force: bool = False) -> None:
+        if version != self.slots.version or force:
+            self.slots.version = version
+            self.sampler.on_advance(version)
 
     def _evict(self, slots: torch.Tensor, reason: str) -> None:
-        if slots.numel() == 0:
-            return
-        t = self._table
-        self.sampler.on_remove(slots)
-        t.live[slots] = False
-        t.count -= slots.numel()
-        shard_ids, counts = torch.unique(t.chunk[slots], return_counts=True)
-        for shard_id, count in zip(shard_ids.tolist(), counts.tolist()):
-            self._release_shard(shard_id, count)
-        t.chunk[slots] = -1
-        self._free.extend(reversed(slots.tolist()))
-        self._counters[f"evicted_{reason}"] += slots.numel()
-
-    def _evict_oldest(self, k: int) -> None:
-        victims: list[torch.Tensor] = []
-        found = 0
-        t = self._table
-        while found < k:
-            # Check FIFO entries in vectorized chunks; dead entries (evicted earlier) are dropped.
-            take = min(len(self._fifo), max(2 * (k - found), 64))
-            chunk = torch.tensor([self._fifo.popleft() for _ in range(take)], dtype=torch.int64)
-            alive = t.live[chunk[:, 0]] & (t.seq[chunk[:, 0]] == chunk[:, 1])
-            alive_rows = alive.nonzero().flatten()
-            need = k - found
-            if alive_rows.numel() > need:
-                cut = int(alive_rows[need])
-                self._fifo.extendleft(reversed([tuple(p) for p in chunk[cut:].tolist()]))
-                alive_rows = alive_rows[:need]
-            victims.append(chunk[alive_rows, 0])
-            found += alive_rows.numel()
-        self._evict(torch.cat(victims), "capacity")
+        """Evict now (no undo): for the commit step of a call, after everything that can fail."""
+        if slots.numel():
+            for shard_id, rows in self._kill(slots):
+                self._release_shard(shard_id, rows)
+            self._counters[f"evicted_{reason}"] += slots.numel()
 
     def advance(self, policy_version: int) -> int:
         """Set the current policy version; evict rollouts older than `max_staleness` versions.
 
-        Costs O(evicted + distinct versions dropped). Returns the number evicted.
+        Costs O(evicted + distinct live versions). Returns the number evicted.
         """
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         if policy_version < self.version:
             raise ValueError(f"policy_version must not go backwards: {policy_version} < current {self.version}")
+        if policy_version >= 2**62:
+            raise ValueError(f"policy_version must be < 2**62, got {policy_version}")
         self._tick()
-        self._table.version = policy_version
-        evicted = 0
-        if self.max_staleness is not None:
-            if not self._tracking_versions:
-                self._tracking_versions = True
-                self._rebuild_orders()
-            floor = policy_version - self.max_staleness
-            victims: list[int] = []
-            while self._version_heap and self._version_heap[0] < floor:
-                version = heapq.heappop(self._version_heap)
-                bucket = self._by_version.pop(version)
-                self._version_entries -= len(bucket)
-                victims.extend(slot for slot, seq in bucket if self._alive(slot, seq))
-            evicted = len(victims)
-            self._evict(torch.tensor(victims, dtype=torch.int64), "staleness")
-        self.sampler.on_advance(policy_version)
+        # Compaction first: it moves rows between shards but changes nothing a caller can see, so
+        # an I/O error from it leaves the version where it was.
         for shard_id in self.storage.compaction_candidates():
             self._compact(shard_id)
-        return evicted
-
-    def _rebuild_orders(self) -> None:
-        """The insertion FIFO and the per-version buckets, from the slot table alone: live slots in
-        insertion (seq) order. Lazily skipped dead entries are all they ever add, so this is how
-        they are compacted, and how a restored buffer gets them back without checkpointing them
-        (converting millions of tuples on the trainer thread made every snapshot slow)."""
-        t = self._table
-        live = t.live.nonzero().flatten()
-        order = live[torch.argsort(t.seq[live])]
-        self._fifo = deque(zip(order.tolist(), t.seq[order].tolist()))
-        self._by_version = {}
-        if self._tracking_versions:
-            # Group by version with tensor ops (a stable sort keeps seq order inside each version).
-            by_version = order[torch.sort(t.policy_version[order], stable=True).indices]
-            versions, counts = torch.unique_consecutive(t.policy_version[by_version], return_counts=True)
-            for version, part in zip(versions.tolist(), torch.split(by_version, counts.tolist())):
-                self._by_version[version] = list(zip(part.tolist(), t.seq[part].tolist()))
-        self._version_heap = sorted(self._by_version)
-        self._version_entries = sum(len(b) for b in self._by_version.values())
+        stale = self._stale(policy_version)
+        self._evict(stale, "staleness")
+        self._set_version(policy_version)
+        if self.max_staleness is not None:
+            self.slots.drop_versions_below(policy_version - self.max_staleness)
+        return stale.numel()
 
     def _compact(self, shard_id: int) -> None:
         """Rewrite a mostly dead shard's live rows into a new shard, so its file and memory go."""
-        t = self._table
+        t = self.slots
         slots = ((t.chunk == shard_id) & t.live).nonzero().flatten()
         shard = self.storage.shard(shard_id)
         self.storage.pin_shards([shard_id])
@@ -418,105 +310,98 @@ class RolloutBuffer:
             batch, index = self.storage.fetch(shard, t.row[slots], list(shard.token_fields))
         except CorruptRows as exc:
             self.storage.unpin_shards([shard])
-            self._evict_corrupt_quietly(exc)
+            try:
+                self._evict_corrupt(exc)
+            except StorageError:
+                pass
             return
         self.storage.unpin_shards([shard])
-        new_id = self._put_shard(_subset(batch, index))
+        new_id = self._put_shard(subset(batch, index))
         t.chunk[slots] = new_id
         t.row[slots] = torch.arange(slots.numel())
         self._release_shard(shard_id, slots.numel())
         self.storage.counters["compactions"] += 1
 
-    def _evict_corrupt_quietly(self, exc: CorruptRows) -> None:
-        try:
-            self._evict_corrupt(exc)
-        except StorageError:
-            pass
-
     # ---------------------------------------------------------------------------------- sampling
-    def _check_batch_size(self, batch_size: int) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if self._table.count == 0:
-            raise ValueError("cannot sample: the buffer is empty")
+    def sample(self, batch_size: int, device: torch.device | str | None = None,
+               generator: torch.Generator | None = None, reuse_output: bool = False,
+               if_short: str = "raise") -> ReplayBatch:
+        """Draw `batch_size` rollouts through the sampler (with replacement, but no rollout more
+        often than its reuse budget allows); padded, on `device`.
 
-    def sample(
-        self,
-        batch_size: int,
-        device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-        reuse_output: bool = False,
-    ) -> ReplayBatch:
-        """Draw `batch_size` rollouts (with replacement) through the sampler; padded, on `device`.
+        `if_short`: when the caps leave fewer than `batch_size` draws, "raise" (ValueError, nothing
+        changes) or "truncate" (a shorter batch). `reuse_output=True` writes the padded token fields
+        into buffers kept across calls (much faster for large batches); the returned tensors are
+        then valid only until the next `sample(..., reuse_output=True)`."""
+        return self.sample_async(batch_size, device, generator, if_short=if_short,
+                                 _inline=True, _reuse=reuse_output).result()
 
-        `reuse_output=True` writes the padded token fields into buffers kept across calls (much
-        faster for large batches); the returned tensors are then valid only until the next
-        `sample(..., reuse_output=True)`: copy or consume them first (moving to a device copies)."""
-        return self.sample_async(batch_size, device, generator, _inline=True, _reuse=reuse_output).result()
-
-    def sample_async(
-        self,
-        batch_size: int,
-        device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-        _inline: bool = False,
-        _reuse: bool = False,
-    ) -> "PendingBatch":
+    def sample_async(self, batch_size: int, device: torch.device | str | None = None,
+                     generator: torch.Generator | None = None, if_short: str = "raise",
+                     _inline: bool = False, _reuse: bool = False) -> "PendingBatch":
         """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
         caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
         decided now, on the calling thread, so results match `sample` for the same generator.
         Call `.result()` on the returned object from the thread that owns the buffer."""
-        self._check_batch_size(batch_size)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        _check_short(if_short)
+        if self.slots.count == 0:
+            raise ValueError("cannot sample: the buffer is empty")
         self._tick()
         generator = generator if generator is not None else self.generator
-        slots, weights = self.sampler.sample(batch_size, generator)
-        plan = self._plan(slots, weights, torch.zeros(batch_size, dtype=torch.bool))
-        plan.reuse_output = _reuse
-        plan.device = self._assembly_device(device)
-        self._counters["sampled_replay"] += batch_size
+        slots, weights = self._draw(batch_size, generator, torch.empty(0, dtype=torch.int64), if_short)
+        if slots.numel() == 0:
+            raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
+        plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
+                                   self.version, self._assembly_device(device), _reuse)
+        self._counters["sampled_replay"] += slots.numel()
         self._counters["sample_calls"] += 1
-        self._record_use(slots, weights)
+        self._record_use(slots, weights, weights)
         if _inline:
             future: Future = Future()
             try:
-                future.set_result(self._materialize(plan))
+                future.set_result(self.assembler.materialize(plan))
             except BaseException as exc:  # noqa: BLE001 - handed to PendingBatch.result
                 future.set_exception(exc)
         else:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
-            future = self._prefetcher.submit(self._materialize_ahead, plan)
-        return PendingBatch(self, future, device, (batch_size, generator), plan)
+            future = self._prefetcher.submit(self.assembler.materialize_ahead, plan)
+        return PendingBatch(self, future, device, (batch_size, generator, if_short), plan)
 
     def gather(self, slots: torch.Tensor, count_use: bool = True, weights: torch.Tensor | None = None,
                device: torch.device | str | None = None) -> ReplayBatch:
         """Read the given live slots as a padded batch (e.g. slots chosen by another rank's draw).
 
-        With `count_use` their reuse counts go up and the reuse cap applies, as for `sample`.
-        Unreadable rollouts are evicted and raise StorageError."""
+        With `count_use` their reuse counts go up; a slot named more often than its reuse budget
+        allows is a ValueError (nothing changes). Unreadable rollouts are evicted and raise
+        StorageError."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise TypeError("slots must be a 1-D int64 tensor")
         slots = slots.cpu()
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
             raise ValueError(f"slots outside [0, {self.capacity})")
-        if not bool(self._table.live[slots].all()):
+        if not bool(self.slots.live[slots].all()):
             raise ValueError("slots must name live rollouts")
+        if count_use and self.max_reuse is not None and slots.numel():
+            uses = torch.bincount(slots, minlength=self.capacity)
+            if bool((uses > self.max_reuse - self.slots.reuse).any()):
+                raise ValueError(f"slots name a rollout more often than its reuse budget (max_reuse {self.max_reuse})")
         n = slots.numel()
         w = torch.ones(n) if weights is None else weights
-        plan = self._plan(slots, w, torch.zeros(n, dtype=torch.bool))
-        plan.device = self._assembly_device(device)
+        plan = self.assembler.plan(self.slots, slots, w, torch.zeros(n, dtype=torch.bool), self.version,
+                                   self._assembly_device(device))
         try:
-            batch = self._materialize(plan)
+            batch = self.assembler.materialize(plan)
         except CorruptRows as exc:
             self._evict_corrupt(exc, always_raise=True)
         if count_use:
-            self._record_use(slots, weights)
+            self._record_use(slots, weights, weights)
         return batch if device is None else batch.to(device)
 
-    def prefetching(
-        self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Iterator[ReplayBatch]:
+    def prefetching(self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
+                    generator: torch.Generator | None = None) -> Iterator[ReplayBatch]:
         """Iterate batches with the next one always in flight (sample-ahead)."""
         pending = self.sample_async(batch_size, device, generator)
         taken = 0
@@ -527,94 +412,99 @@ class RolloutBuffer:
                 pending = self.sample_async(batch_size, device, generator)
             yield batch
 
-    def compose(
-        self,
-        fresh: Any,
-        replay_ratio: float,
-        device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-    ) -> ReplayBatch:
-        """Fresh-anchored batch: all of `fresh`, plus replayed rollouts making up `replay_ratio` of
-        the result (0 <= replay_ratio < 1). Replayed rollouts are drawn before `fresh` is added, so
-        they are never the fresh ones; `fresh` is then stored, and its use counts towards max_reuse.
-        Fresh rollouts get IS weight 1. If replayed rollouts turn out unreadable (see `on_corrupt`)
-        and the error is raised, `fresh` has not been added."""
-        if isinstance(replay_ratio, bool) or not isinstance(replay_ratio, (int, float)) or not (
-            0 <= replay_ratio < 1
-        ):
-            raise ValueError(f"replay_ratio must be a number in [0, 1), got {replay_ratio!r}")
+    def compose(self, fresh: Any, replay_ratio: float | None = None, n_replay: int | None = None,
+                multiple_of: int | None = None, device: torch.device | str | None = None,
+                generator: torch.Generator | None = None, if_short: str = "truncate") -> ReplayBatch:
+        """Fresh-anchored batch: all of `fresh`, then replayed rollouts. Their count is either
+        `n_replay` exactly, or `replay_ratio` of the result (0 <= replay_ratio < 1), rounded so
+        that the whole batch is a multiple of `multiple_of` when given (trainers split batches
+        over accumulation steps and ranks and drop remainders).
+
+        `fresh`'s policy_version moves the buffer's version first: rollouts it makes stale are
+        never drawn, and replayed ages are measured against it. Replayed rollouts are drawn before
+        `fresh` is stored, so they are never the fresh ones; fresh rows get IS weight 1 and their
+        use counts towards max_reuse. If the caps leave too few draws, `if_short="truncate"`
+        (default: the first steps of a run have nothing to replay) returns fewer replayed rows, cut
+        to keep `multiple_of`; "raise" raises ValueError. Either way, or on any other error,
+        `fresh` has not been added and nothing changed (except unreadable rollouts, see
+        `on_corrupt`, which are evicted)."""
+        _check_short(if_short)
         packed = validate_batch(fresh, self.fields)
+        count = _replay_count(packed.n, replay_ratio, n_replay, multiple_of)
         self._check_admissible(packed)
         self._tick()
         generator = generator if generator is not None else self.generator
+        version = max(self.version, int(packed.rollout["policy_version"].max()))
+        stale = self._stale(version)
+        multiple = multiple_of or 1
+        state = generator.get_state()
         replayed = None
         replay_slots = torch.empty(0, dtype=torch.int64)
-        n_replay = round(packed.n * replay_ratio / (1 - replay_ratio))
-        while n_replay and self._table.count and replayed is None:
-            replay_slots, replay_weights = self.sampler.sample(n_replay, generator)
-            plan = self._plan(replay_slots, replay_weights, torch.zeros(n_replay, dtype=torch.bool))
+        while count and self.slots.count and replayed is None:
+            replay_slots, replay_weights = self._draw(count, generator, stale, if_short, multiple)
+            if replay_slots.numel() == 0:
+                break
+            plan = self.assembler.plan(self.slots, replay_slots, replay_weights,
+                                       torch.zeros(replay_slots.numel(), dtype=torch.bool), version)
             try:
-                replayed = self._materialize(plan)
+                replayed = self.assembler.materialize(plan)
             except CorruptRows as exc:
                 self._evict_corrupt(exc)  # then redraw ("skip") or raise
-                continue
-            self._record_use(replay_slots, replay_weights, evict=False)
+                stale = self._stale(version)
         if replayed is None:
             replay_slots = torch.empty(0, dtype=torch.int64)
-        handles = self._store(packed)
-        fresh_batch = self._materialize(
-            self._plan(handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool)))
-        self._record_use(handles.slot, None, evict=False)
-        # Reuse eviction after both parts are gathered: a replayed slot freed now could otherwise
-        # have been handed to a fresh rollout in the same call.
-        self._evict_overused(torch.cat([replay_slots, handles.slot]))
+            if count and if_short == "raise":
+                generator.set_state(state)
+                raise ValueError(f"cannot fill {count} replayed rows: nothing drawable in the buffer")
+        if (packed.n + replay_slots.numel()) % multiple:
+            generator.set_state(state)
+            raise ValueError(f"cannot make a batch that is a multiple of {multiple_of}: {packed.n} fresh rollouts "
+                             f"and only {replay_slots.numel()} replayable")
+        try:
+            handles = self._insert(packed)
+        except BaseException:
+            generator.set_state(state)
+            raise
+        fresh_batch = self.assembler.materialize(self.assembler.plan(
+            self.slots, handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool), self.version))
+        # Uses are counted once both parts are read: a replayed slot freed now could otherwise
+        # be handed to a fresh rollout of this same call.
+        replay_live = replay_slots[self.slots.generation[replay_slots] == replayed.handles.generation] \
+            if replayed is not None else replay_slots
+        out = fresh_batch if replayed is None else concat(fresh_batch, replayed, self.assembler)
+        self._record_use(torch.cat([handles.slot, replay_live]), out.weights,
+                         replayed.weights if replayed is not None else None)
         self._counters["sampled_fresh"] += packed.n
         self._counters["sample_calls"] += 1
         self._counters["sampled_replay"] += replay_slots.numel()
-        out = fresh_batch if replayed is None else _concat(fresh_batch, replayed, self)
         return out if device is None else out.to(device)
 
     def _evict_corrupt(self, exc: CorruptRows, always_raise: bool = False) -> None:
         """Evict the live rollouts stored in the unreadable rows; raise unless on_corrupt='skip'
         (a caller that asked for specific slots always gets the error)."""
-        t = self._table
-        in_shard = (t.chunk == exc.shard_id) & t.live
-        hit = in_shard.nonzero().flatten()
+        t = self.slots
+        hit = ((t.chunk == exc.shard_id) & t.live).nonzero().flatten()
         hit = hit[torch.isin(t.row[hit], torch.tensor(exc.rows, dtype=torch.int64))]
         self._evict(hit, "corrupt")
         self.storage.counters["corrupt_rows"] += hit.numel()
-        if always_raise or self.on_corrupt == "raise" or self._table.count == 0:
+        if always_raise or self.on_corrupt == "raise" or self.slots.count == 0:
             raise StorageError(f"{exc}; {hit.numel()} rollout(s) evicted, the rest of the buffer is intact") from exc
 
-    def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None, evict: bool = True) -> None:
+    def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None,
+                    replay_weights: torch.Tensor | None) -> None:
+        """Count one use per occurrence; evict what reached max_reuse; note the batch's weights."""
         if weights is not None and weights.numel():
-            w = weights.double()
-            self._last_ess = float(w.sum() ** 2 / (w.pow(2).sum() * w.numel()))
-        self._table.reuse.index_put_((slots,), torch.ones_like(slots), accumulate=True)
-        if evict:
-            self._evict_overused(slots)
+            self._last_ess = effective_sample_size(weights)
+        self._last_replay_weight_mean = float(replay_weights.double().mean()) \
+            if replay_weights is not None and replay_weights.numel() else math.nan
+        self.slots.reuse.index_put_((slots,), torch.ones_like(slots), accumulate=True)
+        self._evict_overused(slots)
 
     def _evict_overused(self, slots: torch.Tensor) -> None:
         if self.max_reuse is None or slots.numel() == 0:
             return
         unique = torch.unique(slots)
-        over = unique[(self._table.reuse[unique] >= self.max_reuse) & self._table.live[unique]]
-        self._evict(over, "reuse")
-
-    def _plan(self, slots: torch.Tensor, weights: torch.Tensor, is_fresh: torch.Tensor) -> _Plan:
-        """Snapshot what the batch needs and pin its shards (trainer thread)."""
-        t = self._table
-        shard_of = t.chunk[slots]
-        shard_ids = torch.unique(shard_of).tolist()
-        self.storage.pin_shards(shard_ids)
-        fields = [name for name, spec in self.fields.items()
-                  if spec.required or name in self.storage.optional_fields]
-        return _Plan(
-            slots=slots.clone(), weights=weights.to(torch.float32), is_fresh=is_fresh, shard_of=shard_of,
-            rows=t.row[slots], meta={name: getattr(t, name)[slots].clone() for name in _TABLE_FIELDS},
-            generation=t.generation[slots].clone(), age=t.version - t.policy_version[slots],
-            reuse=t.reuse[slots].clone(), shards=[self.storage.shard(s) for s in shard_ids], fields=fields,
-        )
+        self._evict(unique[(self.slots.reuse[unique] >= self.max_reuse) & self.slots.live[unique]], "reuse")
 
     def _assembly_device(self, device: torch.device | str | None) -> torch.device | None:
         """The storage's device if a batch bound for `device` should be put together there (device
@@ -627,151 +517,11 @@ class RolloutBuffer:
             wanted = torch.device("cuda", torch.cuda.current_device())
         return home if wanted == home else None
 
-    def _materialize(self, plan: _Plan) -> ReplayBatch:
-        """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
-        try:
-            batch = self._pad(plan)
-            if plan.device is not None and plan.device.type == "cuda":
-                plan.ready = torch.cuda.Event()
-                plan.ready.record(torch.cuda.current_stream(plan.device))
-            return batch
-        finally:
-            self.storage.unpin_shards(plan.shards)
-
-    def _materialize_ahead(self, plan: _Plan) -> ReplayBatch:
-        """`_materialize` on the prefetch thread. A CUDA batch is built on a stream of its own: on
-        the default stream its kernels (and the sync before a staged read) would queue behind the
-        trainer's whole step; PendingBatch.result hands it over with an event."""
-        if plan.device is None or plan.device.type != "cuda":
-            return self._materialize(plan)
-        if self._prefetch_stream is None:
-            self._prefetch_stream = torch.cuda.Stream(plan.device)
-        with torch.cuda.stream(self._prefetch_stream):
-            return self._materialize(plan)
-
-    def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reuse: bool) -> torch.Tensor:
-        """An uninitialized padded output (every element is written by pad_rows). With `reuse`, a
-        view of a per-field arena kept across calls: writing into warm memory instead of freshly
-        faulted pages is most of the cost of a large batch."""
-        if not reuse:
-            return torch.empty(shape, dtype=dtype)
-        need = math.prod(shape)
-        arena = self._arenas.get(name)
-        if arena is None or arena.numel() < need or arena.dtype != dtype:
-            arena = torch.empty(need, dtype=dtype, pin_memory=self.storage.pin)
-            self._arenas[name] = arena
-        return arena[:need].view(shape)
-
-    def _pad(self, plan: _Plan) -> ReplayBatch:
-        n = plan.slots.numel()
-        token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
-        gather = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields, plan.device)
-        sources, source, index = gather.sources, gather.source, gather.index
-        # Per row: where its tokens start in its source and how many there are, from the sources'
-        # offsets laid end to end (each source has n + 1 of them).
-        offsets = torch.cat([b.offsets for b in sources]) if sources else torch.zeros(1, dtype=torch.int64)
-        at = row_base(sources, 1)[source] + index
-        starts = offsets[at]
-        lengths = offsets[at + 1] - starts
-        width = int(lengths.max()) if n else 0
-        left = self.padding_side == "left"
-        if plan.device is not None:
-            data = self._pad_on_device(plan.device, gather, starts, lengths, width, token_fields)
-            return self._finish(plan, sources, source, index, data)
-        dest = torch.arange(n)
-        # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
-        valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
-        ops.pad_rows([torch.ones(width, dtype=torch.bool)], torch.zeros(n, dtype=torch.int64),
-                     torch.zeros(n, dtype=torch.int64), lengths, dest, valid, left, False)
-        data: dict[str, torch.Tensor] = {}
-        for name in token_fields:
-            spec = self.fields[name]
-            fill = self.pad_token_id if name == "tokens" else 0
-            out = self._output(name, (n, width, *spec.shape), spec.dtype, plan.reuse_output)
-            values = [b.token.get(name) for b in sources]
-            field_starts, field_lengths = starts, lengths
-            if any(v is None for v in values):  # shards stored before this optional field existed: all padding
-                missing = torch.tensor([v is None for v in values])[source]
-                field_starts, field_lengths = starts.masked_fill(missing, 0), lengths.masked_fill(missing, 0)
-                values = [torch.empty((0, *spec.shape), dtype=spec.dtype) if v is None else v for v in values]
-            if n:
-                ops.pad_rows(values, source, field_starts, field_lengths, dest, out, left, fill)
-            data[name] = out
-        data["attention_mask"] = valid
-        return self._finish(plan, sources, source, index, data)
-
-    def _finish(self, plan: _Plan, sources: list, source: torch.Tensor, index: torch.Tensor,
-                data: dict[str, torch.Tensor]) -> ReplayBatch:
-        """The padded token fields in `data`, plus rollout-level fields and the plan's bookkeeping."""
-        n = plan.slots.numel()
-        extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in _TABLE_FIELDS]
-        rollout_rows = row_base(sources, 0)[source] + index if extra_rollout else None
-        for name in extra_rollout:
-            spec = self.fields[name]
-            columns = [b.rollout.get(name) for b in sources]
-            columns = [torch.zeros((b.n, *spec.shape), dtype=spec.dtype) if c is None else c
-                       for b, c in zip(sources, columns)]
-            data[name] = torch.cat(columns)[rollout_rows] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
-        data.update(plan.meta)
-        return ReplayBatch(
-            data=data,
-            handles=Handles(plan.slots, plan.generation),
-            weights=plan.weights,
-            age=plan.age,
-            reuse=plan.reuse,
-            is_fresh=plan.is_fresh,
-        )
-
-    def _pad_on_device(self, device: torch.device, gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
-                       token_fields: list[str]) -> dict[str, torch.Tensor]:
-        """Padded token fields and the mask, on `device`. Rows whose source is on the device (tier
-        copies, staged cold reads) are gathered there with index ops; the rest are padded in host
-        memory by pad_rows, as without a device, and copied over in one transfer per field."""
-        sources, source = gather.sources, gather.source
-        n = source.numel()
-        left = self.padding_side == "left"
-        on_device = torch.tensor(gather.on_device, dtype=torch.bool)[source] if sources else torch.zeros(0, dtype=torch.bool)
-        host_rows, device_rows = (~on_device).nonzero().flatten(), on_device.nonzero().flatten()
-        pin = device.type == "cuda"
-        column = torch.arange(width, device=device)
-        lengths_there = lengths.to(device)
-        pad = (width - lengths_there)[:, None] if left else None
-        data = {"attention_mask": column >= pad if left else column < lengths_there[:, None]}
-        device_row_there = device_rows.to(device)
-        for name in token_fields:
-            spec = self.fields[name]
-            fill = self.pad_token_id if name == "tokens" else 0
-            out = torch.full((n, width, *spec.shape), fill, dtype=spec.dtype, device=device)
-            values = [b.token.get(name) for b in sources]
-            missing = torch.tensor([v is None for v in values], dtype=torch.bool)[source] if sources else on_device
-            field_lengths = lengths.masked_fill(missing, 0)
-            if host_rows.numel():
-                host_values = [torch.empty((0, *spec.shape), dtype=spec.dtype) if v is None or there else v
-                               for v, there in zip(values, gather.on_device)]
-                staged = torch.empty((host_rows.numel(), width, *spec.shape), dtype=spec.dtype, pin_memory=pin)
-                ops.pad_rows(host_values, source[host_rows], starts[host_rows].masked_fill(missing[host_rows], 0),
-                             field_lengths[host_rows], torch.arange(host_rows.numel()), staged, left, fill)
-                out[host_rows.to(device)] = staged.to(device, non_blocking=pin)
-            if device_rows.numel():
-                # Only the sampled tokens move: one view per row, one cat, one scatter into place.
-                # (Concatenating whole device shards would briefly double their VRAM per field.)
-                src, first, count = (source[device_rows].tolist(), starts[device_rows].tolist(),
-                                     field_lengths[device_rows].tolist())
-                views = [values[i][a : a + c] for i, a, c in zip(src, first, count) if c]
-                if views:
-                    flat = torch.cat(views)
-                    counts = field_lengths[device_rows].to(device)
-                    total = flat.shape[0]
-                    row = torch.repeat_interleave(device_row_there, counts, output_size=total)
-                    first_col = width - counts if left else torch.zeros_like(counts)
-                    out[row, ranges(first_col, first_col + counts, total)] = flat.to(spec.dtype)
-            data[name] = out
-        return data
-
     # -------------------------------------------------------------------------------- priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:
         """Set new advantages for still-live handles. Handles whose rollout was evicted or whose slot
-        was reused are ignored and counted (`stale_handle_updates`). Returns how many applied."""
+        was reused are ignored and counted (`stale_handle_updates`). Returns how many applied.
+        All-or-nothing: a priority the sampler rejects (e.g. overflow) leaves every advantage as it was."""
         if not isinstance(handles, Handles):
             raise TypeError(f"handles must be Handles (from add/sample), got {type(handles).__name__}")
         if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
@@ -786,23 +536,30 @@ class RolloutBuffer:
         slot = handles.slot.cpu()
         if slot.numel() and (int(slot.min()) < 0 or int(slot.max()) >= self.capacity):
             raise ValueError(f"handles.slot outside [0, {self.capacity})")
-        t = self._table
+        t = self.slots
         current = t.live[slot] & (t.generation[slot] == handles.generation.cpu())
-        self._counters["stale_handle_updates"] += int((~current).sum())
         slot, advantages = slot[current], advantages[current]
-        t.advantage[slot] = advantages  # last occurrence wins for repeated handles
         if slot.numel():
-            self.sampler.on_priority(torch.unique(slot))
+            changed = torch.unique(slot)
+            old = t.advantage[changed].clone()
+            t.advantage[slot] = advantages  # last occurrence wins for repeated handles
+            try:
+                self.sampler.on_priority(changed)
+            except BaseException:
+                t.advantage[changed] = old
+                raise
+        self._counters["stale_handle_updates"] += int((~current).sum())
         return int(current.sum())
 
     # ----------------------------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, float]:
         """A flat dict of numbers for a logger: size, bytes, capacity, age and reuse histograms,
-        the effective sample size of the last IS weights (fraction of the batch), evictions by
-        reason, stale-handle updates, sampled fresh/replay counts."""
-        t = self._table
+        the effective sample size of the last returned batch's IS weights (fraction of the batch),
+        the mean IS weight of its replayed rows, evictions by reason, stale-handle updates, sampled
+        fresh/replay counts."""
+        t = self.slots
         live = t.live
-        ages = (t.version - t.policy_version[live]).clamp(min=0)
+        ages = t.ages(live)
         reuse = t.reuse[live]
         out: dict[str, float] = {
             "size": t.count,
@@ -810,18 +567,17 @@ class RolloutBuffer:
             "bytes": self.storage.total_bytes(),
             "policy_version": t.version,
             "ess_fraction": self._last_ess,
+            "replay_weight_mean": self._last_replay_weight_mean,
             "age_mean": float(ages.double().mean()) if ages.numel() else 0.0,
             "age_max": int(ages.max()) if ages.numel() else 0,
             "reuse_mean": float(reuse.double().mean()) if reuse.numel() else 0.0,
         }
-        for lo, hi in ((0, 0), (1, 1), (2, 3), (4, 7), (8, None)):
-            key = f"age_hist_{lo}" if lo == hi else (f"age_hist_{lo}_{hi}" if hi else f"age_hist_{lo}_plus")
-            sel = (ages >= lo) if hi is None else ((ages >= lo) & (ages <= hi))
-            out[key] = int(sel.sum())
-        for lo, hi in ((0, 0), (1, 1), (2, 3), (4, None)):
-            key = f"reuse_hist_{lo}" if lo == hi else (f"reuse_hist_{lo}_{hi}" if hi else f"reuse_hist_{lo}_plus")
-            sel = (reuse >= lo) if hi is None else ((reuse >= lo) & (reuse <= hi))
-            out[key] = int(sel.sum())
+        for name, values, bins in (("age", ages, ((0, 0), (1, 1), (2, 3), (4, 7), (8, None))),
+                                   ("reuse", reuse, ((0, 0), (1, 1), (2, 3), (4, None)))):
+            for lo, hi in bins:
+                key = f"{name}_hist_{lo}" if lo == hi else (f"{name}_hist_{lo}_{hi}" if hi else f"{name}_hist_{lo}_plus")
+                sel = (values >= lo) if hi is None else ((values >= lo) & (values <= hi))
+                out[key] = int(sel.sum())
         out.update(self._counters)
         out.update(self.storage.metrics())
         return out
@@ -833,23 +589,13 @@ class RolloutBuffer:
 
     def _metadata_state(self) -> dict[str, Any]:
         """All state except rollout payloads: what a checkpoint snapshots on the trainer thread."""
-        t = self._table
-        return {
-            "format_version": _STATE_VERSION,
-            "config": self._config(),
-            "table": {name: getattr(t, name).clone() for name in _SlotTable.TENSORS},
-            "version": t.version,
-            "count": t.count,
-            "next_seq": self._next_seq,
-            "free": torch.tensor(self._free, dtype=torch.int64),
-            "counters": dict(self._counters),
-            "last_ess": self._last_ess,
-            "rng": self.generator.get_state(),
-            "sampler": self.sampler.state_dict(),
-        }
+        return {"format_version": _STATE_VERSION, "config": self._config(), **self.slots.state(),
+                "counters": dict(self._counters), "last_ess": self._last_ess,
+                "last_replay_weight_mean": self._last_replay_weight_mean,
+                "rng": self.generator.get_state(), "sampler": self.sampler.state_dict()}
 
     def _live_shards(self) -> tuple[list[int], list[int]]:
-        t = self._table
+        t = self.slots
         ids, rows = torch.unique(t.chunk[t.live], return_counts=True)
         return ids.tolist(), rows.tolist()
 
@@ -863,10 +609,11 @@ class RolloutBuffer:
 
     def _config(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "max_staleness": self.max_staleness, "max_reuse": self.max_reuse,
-                "overflow": self.overflow, "padding_side": self.padding_side, **self._schema_args}
+                "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
+                **self._schema_args}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`. Validates before changing anything."""
+        """Restore from `state_dict()`. Validates everything before changing anything."""
         if not isinstance(state, Mapping) or not isinstance(state.get("chunks"), Mapping):
             raise TypeError("state must be a mapping from state_dict() (with 'chunks')")
         sizes = {}
@@ -874,6 +621,8 @@ class RolloutBuffer:
             offsets = c.get("offsets") if isinstance(c, Mapping) else None
             if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
                 raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
+            if not str(cid).isdigit():
+                raise ValueError(f"state chunk id {cid!r} is not a non-negative integer")
             sizes[int(cid)] = offsets.numel() - 1
 
         def store_chunk(cid: int) -> int:
@@ -890,69 +639,50 @@ class RolloutBuffer:
             raise ValueError(f"state format_version {state.get('format_version')!r} != {_STATE_VERSION}")
         if state.get("config") != self._config():
             raise ValueError(f"state config {state.get('config')} does not match this buffer {self._config()}")
-        table = state.get("table")
-        if not isinstance(table, Mapping):
-            raise ValueError("state 'table' must be a mapping")
-        for name in _SlotTable.TENSORS:
-            ref = getattr(self._table, name)
-            value = table.get(name)
-            if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
-                raise ValueError(f"state table[{name!r}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}")
-        live = table["live"]
-        if int(live.sum()) != int(state["count"]):
-            raise ValueError("state: count disagrees with the live mask")
-        live_chunks = table["chunk"][live]
+        table = SlotTable.from_state(self.capacity, self.max_staleness is not None, state)
+        live_chunks = table.chunk[table.live]
         if not set(live_chunks.tolist()) <= set(chunk_rows):
             raise ValueError("state: a live slot names a chunk that is not stored")
         for cid, n in chunk_rows.items():
-            rows_used = table["row"][live][live_chunks == cid]
+            rows_used = table.row[table.live][live_chunks == cid]
             if rows_used.numel() and (int(rows_used.min()) < 0 or int(rows_used.max()) >= n):
                 raise ValueError(f"state chunk {cid}: a live slot names a row outside its {n} rows")
-        if not isinstance(state.get("free"), torch.Tensor) or state["free"].dtype != torch.int64:
-            raise ValueError("state 'free' must be an int64 tensor")
-        free = state["free"]
-        if free.numel() and (int(free.min()) < 0 or int(free.max()) >= self.capacity or bool(live[free].any())):
-            raise ValueError("state 'free' names a slot outside the buffer or a live one")
-        if free.numel() + int(state["count"]) != self.capacity:
-            raise ValueError("state: free slots + live rollouts != capacity")
         rng = state.get("rng")
         if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
             raise ValueError("state 'rng' must be a uint8 generator state tensor")
-        new_table = _SlotTable(self.capacity)
-        for name in _SlotTable.TENSORS:
-            setattr(new_table, name, table[name].clone())
-        new_table.version = int(state["version"])
-        new_table.count = int(state["count"])
-        old_table, old_sampler_state = self._table, self.sampler.state_dict()
-        self._table = new_table
+        counters = state.get("counters")
+        if not isinstance(counters, Mapping) or set(counters) != set(self._counters):
+            raise ValueError(f"state 'counters' must have the keys {sorted(self._counters)}")
+        old_table, old_sampler_state, old_rng = self.slots, self.sampler.state_dict(), self.generator.get_state()
+        self.slots = table
         try:
-            self.sampler.bind(new_table)
+            self.sampler.bind(table)
             self.sampler.load_state_dict(state["sampler"])
             self.generator.set_state(rng)
         except Exception:
-            self._table = old_table
+            self.slots = old_table
             self.sampler.bind(old_table)
             self.sampler.load_state_dict(old_sampler_state)
+            self.generator.set_state(old_rng)
             raise
         # Committed: release what the buffer held, then store the chunks under new shard ids.
         for sid, count in zip(*torch.unique(old_table.chunk[old_table.live], return_counts=True)):
             self._release_shard(int(sid), int(count))
         remap: dict[int, int] = {}
         live_per_chunk = dict(zip(*(x.tolist() for x in torch.unique(live_chunks, return_counts=True))))
-        for cid in sorted(set(live_chunks.tolist())):
+        for cid in sorted(live_per_chunk):
             remap[cid] = store_chunk(cid)
             dead = chunk_rows[cid] - live_per_chunk[cid]
             if dead:
                 self._release_shard(remap[cid], dead)
-        live_slots = new_table.live.nonzero().flatten()
-        new_table.chunk[live_slots] = torch.tensor([remap[c] for c in new_table.chunk[live_slots].tolist()],
-                                                   dtype=torch.int64)
-        new_table.chunk[~new_table.live] = -1
-        self._next_seq = int(state["next_seq"])
-        self._free = state["free"].tolist()
-        self._rebuild_orders()
-        self._counters = dict(state["counters"])
-        self._last_ess = float(state["last_ess"])
+        live_slots = table.live_slots()
+        table.chunk[live_slots] = torch.tensor([remap[c] for c in table.chunk[live_slots].tolist()],
+                                               dtype=torch.int64)
+        self._counters = dict(counters)
+        self._last_ess = float(state.get("last_ess", math.nan))
+        self._last_replay_weight_mean = float(state.get("last_replay_weight_mean", math.nan))
+        self._set_version(table.version, force=True)
+        self._evict(self._stale(table.version), "staleness")
 
     # -------------------------------------------------------------------------------- durability
     def _put_shard(self, batch: PackedBatch) -> int:
@@ -1050,7 +780,7 @@ class PendingBatch:
     """A batch being paged in. `result()` waits for it; if its rollouts turned out unreadable, they
     are evicted here (on the owner's thread) and, with on_corrupt='skip', a new batch is drawn."""
 
-    def __init__(self, buffer: RolloutBuffer, future: Future, device, redraw: tuple, plan: _Plan) -> None:
+    def __init__(self, buffer: RolloutBuffer, future: Future, device, redraw: tuple, plan: Plan) -> None:
         self._buffer, self._future, self._device, self._redraw, self._plan = buffer, future, device, redraw, plan
 
     def done(self) -> bool:
@@ -1061,8 +791,8 @@ class PendingBatch:
             batch = self._future.result()
         except CorruptRows as exc:
             self._buffer._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
-            batch_size, generator = self._redraw
-            return self._buffer.sample(batch_size, self._device, generator)
+            batch_size, generator, if_short = self._redraw
+            return self._buffer.sample(batch_size, self._device, generator, if_short=if_short)
         ready = self._plan.ready
         if ready is not None:
             # The batch was put together on the prefetch thread's stream: the caller's stream waits
@@ -1075,41 +805,32 @@ class PendingBatch:
         return batch if self._device is None else batch.to(self._device)
 
 
-def _subset(batch: PackedBatch, index: torch.Tensor) -> PackedBatch:
-    """Rows `index` of a packed batch, as a new packed batch (row k = batch row index[k])."""
-    starts, ends = batch.offsets[index], batch.offsets[index + 1]
-    lengths = ends - starts
-    offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    token_rows = ranges(starts, ends, int(offsets[-1]))
-    return PackedBatch(n=index.numel(), offsets=offsets, token={k: v[token_rows] for k, v in batch.token.items()},
-                       rollout={k: v[index] for k, v in batch.rollout.items()})
 
 
-def _concat(first: ReplayBatch, second: ReplayBatch, buffer: RolloutBuffer) -> ReplayBatch:
-    """Stack two padded batches, re-padding token fields to the wider of the two."""
-    width = max(first.tokens.shape[1], second.tokens.shape[1])
-    data = {}
-    for name, a in first.data.items():
-        b = second.data[name]
-        if a.dim() >= 2 and name in buffer.fields and buffer.fields[name].kind == TOKEN or name == "attention_mask":
-            fill = buffer.pad_token_id if name == "tokens" else 0
-            a, b = (_pad_to(x, width, fill, buffer.padding_side) for x in (a, b))
-        data[name] = torch.cat([a, b])
-    return ReplayBatch(
-        data=data,
-        handles=Handles(torch.cat([first.handles.slot, second.handles.slot]),
-                        torch.cat([first.handles.generation, second.handles.generation])),
-        weights=torch.cat([first.weights, second.weights]),
-        age=torch.cat([first.age, second.age]),
-        reuse=torch.cat([first.reuse, second.reuse]),
-        is_fresh=torch.cat([first.is_fresh, second.is_fresh]),
-    )
+def _check_short(if_short: str) -> None:
+    if if_short not in SHORT_POLICIES:
+        raise ValueError(f"if_short must be one of {SHORT_POLICIES}, got {if_short!r}")
 
 
-def _pad_to(x: torch.Tensor, width: int, fill: int, side: str) -> torch.Tensor:
-    extra = width - x.shape[1]
-    if extra == 0:
-        return x
-    pad = torch.full((x.shape[0], extra, *x.shape[2:]), fill, dtype=x.dtype)
-    return torch.cat([x, pad] if side == "right" else [pad, x], dim=1)
+def _replay_count(n_fresh: int, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None) -> int:
+    """How many replayed rows `compose` asks for (see its docstring)."""
+    if multiple_of is not None and (isinstance(multiple_of, bool) or not isinstance(multiple_of, int)
+                                    or multiple_of < 1):
+        raise ValueError(f"multiple_of must be None or an int >= 1, got {multiple_of!r}")
+    if (replay_ratio is None) == (n_replay is None):
+        raise ValueError("compose needs exactly one of replay_ratio and n_replay")
+    if n_replay is not None:
+        if isinstance(n_replay, bool) or not isinstance(n_replay, int) or n_replay < 0:
+            raise ValueError(f"n_replay must be an int >= 0, got {n_replay!r}")
+        if multiple_of is not None and (n_fresh + n_replay) % multiple_of:
+            raise ValueError(f"n_replay: {n_fresh} fresh + {n_replay} replayed is not a multiple of {multiple_of}")
+        return n_replay
+    if isinstance(replay_ratio, bool) or not isinstance(replay_ratio, (int, float)) or not 0 <= replay_ratio < 1:
+        raise ValueError(f"replay_ratio must be a number in [0, 1), got {replay_ratio!r}")
+    count = round(n_fresh * replay_ratio / (1 - replay_ratio))
+    if multiple_of is not None:
+        total = max(multiple_of, round((n_fresh + count) / multiple_of) * multiple_of)
+        while total < n_fresh:
+            total += multiple_of
+        count = total - n_fresh
+    return count

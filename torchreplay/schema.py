@@ -300,12 +300,41 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec]) -> PackedBatch:
             i = int(torch.searchsorted(offsets, torch.tensor(_first_bad(bad)), right=True)) - 1
             raise SchemaError(f"field 'routing', rollout {i}: expert id outside [0, {hi}]")
 
+    # The stored batch owns its memory: a tensor still backed by the caller's storage (the packed
+    # form, a rollout field already in the right dtype) is copied once here, so a caller that reuses
+    # or zeroes its tensors after `add` cannot change what was stored.
+    borrowed = _storages(batch)
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.numel() and t.untyped_storage().data_ptr() in borrowed else t
+
     for name, spec in fields.items():
         if name in token:
-            token[name] = token[name].to(spec.dtype).contiguous()
+            token[name] = own(token[name].to(spec.dtype).contiguous())
         elif name in rollout:
-            rollout[name] = rollout[name].to(spec.dtype).contiguous()
-    return PackedBatch(n=n, offsets=offsets, token=token, rollout=rollout)
+            rollout[name] = own(rollout[name].to(spec.dtype).contiguous())
+    return PackedBatch(n=n, offsets=own(offsets), token=token, rollout=rollout)
+
+
+def _storages(batch: Mapping[str, Any]) -> set[int]:
+    """Storage addresses of the caller's tensors (top level and one level of packed/list nesting)."""
+    found: set[int] = set()
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "cpu" and not v.is_nested:
+                found.add(v.untyped_storage().data_ptr())
+        elif isinstance(v, Mapping):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    visit(x)
+
+    for value in batch.values():
+        visit(value)
+    return found
 
 
 def check_finite_advantages(advantages: torch.Tensor, name: str = "advantages") -> None:

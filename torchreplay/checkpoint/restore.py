@@ -49,15 +49,23 @@ def _sampler_from_state(state: dict[str, Any]):
     if cls is None:
         raise CheckpointError(f"sampler {sampler_state.get('type')!r} is not built in: pass sampler=... to restore")
     config = sampler_state.get("config")
-    if not isinstance(config, dict) or not all(isinstance(v, (int, float)) for v in config.values()):
+    if not isinstance(config, dict) or not all(isinstance(v, (bool, int, float, str)) for v in config.values()):
         raise CheckpointError(f"sampler config {config!r} is malformed")
-    return cls(**config)
+    try:
+        sampler = cls(**config)
+        # beta is state, not configuration (it may be annealed): it comes back as it was saved.
+        if "beta" in sampler_state:
+            sampler.beta = float(sampler_state["beta"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"sampler config {config!r} is malformed: {exc}") from exc
+    return sampler
 
 
 def _buffer_kwargs(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Constructor arguments recorded in a checkpoint's config. Extra fields' specs are not
     recorded (only their names), so a buffer with extra fields needs `extra_fields=` passed in."""
-    allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "ref_logprobs", "routing"}
+    allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "pad_token_id", "ref_logprobs",
+               "routing"}
     out = {k: config[k] for k in allowed if k in config}
     if out.get("routing") is not None:
         out["routing"] = tuple(out["routing"])
@@ -181,7 +189,8 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     `select(index, count)` picks which of the checkpoint's shards (by position in its manifest)
     to take, e.g. `lambda i, n: i % world == rank` to split a checkpoint over ranks. `keep_reuse`
     carries the rollouts' use counts over."""
-    from torchreplay.buffer import _TABLE_FIELDS, Handles
+    from torchreplay.buffer import Handles
+    from torchreplay.slots import TABLE_FIELDS
 
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
@@ -208,7 +217,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
                 for name, values in shard.token.items()
             }
             batch.update({name: values[rows] for name, values in shard.rollout.items()})
-            for name in _TABLE_FIELDS:
+            for name in TABLE_FIELDS:
                 batch[name] = table[name][slots].clone()
             batch["policy_version"] = (batch["policy_version"] + version_offset).clamp(min=0)
             if reprioritize is not None:
@@ -219,7 +228,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
             if slots.numel():
                 added = buffer.add(batch)
                 if keep_reuse:
-                    buffer._table.reuse[added.slot] = table["reuse"][slots]
+                    buffer.slots.reuse[added.slot] = table["reuse"][slots]
                     buffer._evict_overused(added.slot)
                 handles.append(added)
     finally:

@@ -26,17 +26,25 @@ class SlotView(Protocol):
     def live_count(self) -> int: ...
 
 
+WEIGHT_NORMS = ("batch_max", "batch_mean", "buffer_max")
+
+
 @runtime_checkable
 class Sampler(Protocol):
     """What a buffer needs from a sampler. Every hook receives CPU int64 slot tensors.
 
     - `bind(slots)` once, before anything else: the buffer's metadata.
+    - `on_advance(version)`: the buffer's version moved (in add, compose, advance or a load). It is
+      called before the new rollouts of that call are inserted and before anything is sampled,
+      with `slots.current_version` already equal to `version`.
     - `on_insert(slots)`: these slots just became live (their metadata is already written).
     - `on_remove(slots)`: these slots were evicted; never return them again.
     - `on_priority(slots)`: their advantage changed.
-    - `on_advance(version)`: the trainer's policy version moved forward.
-    - `sample(n, generator)`: `(slots int64 [n], weights float32 [n])`, weights are IS weights
-      normalized to max 1 (all ones for samplers that do not reweight). Only live slots.
+    - `sample(n, generator, remaining=None)`: `(slots int64 [k], weights float32 [k])`, live slots
+      only, with IS weights (all ones for samplers that do not reweight). `remaining`, when given,
+      is an int64 tensor of `capacity`: slot s may appear at most `remaining[s]` times in the
+      result (0: not at all). Draws beyond a slot's budget are redrawn from the rest; k < n only
+      when nothing drawable is left.
     - `state_dict()` / `load_state_dict(state)`: tensors and plain Python values only.
     - `to(device)`: move any device state (the priority tree).
     """
@@ -51,7 +59,8 @@ class Sampler(Protocol):
 
     def on_advance(self, version: int) -> None: ...
 
-    def sample(self, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def sample(self, n: int, generator: torch.Generator | None,
+               remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -60,26 +69,47 @@ class Sampler(Protocol):
     def to(self, device: torch.device | str) -> "Sampler": ...
 
 
+def check_weight_norm(weight_norm: str) -> str:
+    if weight_norm not in WEIGHT_NORMS:
+        raise ValueError(f"weight_norm must be one of {WEIGHT_NORMS}, got {weight_norm!r}")
+    return weight_norm
+
+
 class TreeSampler:
     """Proportional sampling from a SegmentTree whose leaf i is `priority(slots)` for live slots.
 
-    Subclasses define `priority`; this class keeps the tree in step with the buffer and turns tree
-    draws into slots and IS weights `(p_i / p_min) ** -beta`, which equals PER's
-    `(N P(i)) ** -beta / max_j (N P(j)) ** -beta`.
+    Subclasses define `priority`; this class keeps the tree in step with the buffer, draws
+    stratified batches under per-slot budgets and turns priorities into IS weights
+    `w_i = (N P(i)) ** -beta`, normalized by `weight_norm`:
+
+    - "batch_max": divided by the largest weight in the returned batch (the lowest-priority row
+      drawn gets 1; every weight is in (0, 1]).
+    - "batch_mean": divided by the batch's mean weight (the returned rows average 1).
+    - "buffer_max": divided by the largest weight any live rollout could get, `(N P_min) ** -beta`
+      with `P_min` over non-zero priorities (PER's original rule).
+
+    A leaf with priority 0 is never drawn and never sets a scale. A subclass whose priorities
+    depend on the buffer's version sets `depends_on_version = True` (every live leaf is rewritten
+    when the version moves) or overrides `changed_by_version` to name only the slots that change.
     """
 
     tree_dtype = torch.float64
     beta: float = 0.0
+    weight_norm: str = "batch_max"
+    depends_on_version = False
+    proportional = True  # draws are exactly proportional to the leaves (global sampling relies on it)
 
     def __init__(self) -> None:
         self.slots: SlotView | None = None
         self.tree: SegmentTree | None = None
         self._device = torch.device("cpu")
+        self._version: int | None = None
 
     # -- hooks ---------------------------------------------------------------------------------
     def bind(self, slots: SlotView) -> None:
         self.slots = slots
         self.tree = SegmentTree(slots.capacity, device=self._device, dtype=self.tree_dtype)
+        self._version = None
 
     def priority(self, slots: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -97,34 +127,120 @@ class TreeSampler:
     def on_priority(self, slots: torch.Tensor) -> None:
         self._write(slots, self.priority(slots))
 
+    def changed_by_version(self, old: int | None, new: int) -> torch.Tensor:
+        """The live slots whose priority changes when the version moves from `old` to `new`."""
+        if self.depends_on_version and old != new:
+            return self.slots.live.nonzero().flatten()
+        return torch.empty(0, dtype=torch.int64)
+
     def on_advance(self, version: int) -> None:
-        pass
+        changed = self.changed_by_version(self._version, version)
+        self._version = version
+        if changed.numel():
+            self._write(changed, self.priority(changed))
 
     # -- sampling ------------------------------------------------------------------------------
-    def sample(self, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        u = torch.rand(n, dtype=torch.float64, generator=generator)
-        slots, prio = self.tree.sample(u=u.to(self.tree.device))
-        return slots.cpu(), self.weights(prio).cpu()
+    def mass(self) -> tuple[float, float]:
+        """(sum of priorities, smallest positive priority or +inf): what exact global sampling
+        across shards needs from each shard."""
+        return float(self.tree.total()), float(self.tree.min())
 
-    def weights(self, prio: torch.Tensor) -> torch.Tensor:
-        if self.beta == 0:
-            return torch.ones(prio.shape, dtype=torch.float32, device=prio.device)
-        ratio = prio.to(torch.float64) / self.tree.min()
-        return ratio.pow(-self.beta).to(torch.float32)
+    def draw_at(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots at positions `u` in [0, 1) of the priority mass (not stratified), with their
+        priorities (float64, CPU)."""
+        slots, prio = self.tree.sample(u=u.to(self.tree.device), stratified=False)
+        return slots.cpu(), prio.cpu().to(torch.float64)
+
+    def sample(self, n: int, generator: torch.Generator | None,
+               remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, prio = self.draw(n, generator, remaining)
+        return slots, self.is_weights(prio, float(self.tree.min()))
+
+    def draw(self, n: int, generator: torch.Generator | None,
+             remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stratified proportional draw of up to n slots under `remaining` budgets; returns the
+        slots and their priorities (float64, CPU).
+
+        The first pass is stratified over the whole mass. A slot drawn more often than its budget
+        keeps its first `remaining` draws; it is then set aside (its leaf zeroed for the rest of
+        this call) and the missing rows are redrawn, stratified, from what is left. So every
+        budget holds and the others keep their relative probabilities. The tree is exactly as
+        before when this returns or raises."""
+        empty = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
+        if n <= 0:
+            return empty
+        aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def set_aside(slots: torch.Tensor) -> None:
+            if slots.numel():
+                aside.append((slots, self.tree[slots.to(self.tree.device)].clone()))
+                self._write(slots, torch.zeros(slots.numel(), dtype=self.tree_dtype))
+
+        kept_slots, kept_prio = [], []
+        try:
+            used = None
+            if remaining is not None:
+                used = torch.zeros(self.slots.capacity, dtype=torch.int64)
+                set_aside((self.slots.live & (remaining <= 0)).nonzero().flatten())
+            need = n
+            while need > 0 and float(self.tree.total()) > 0:
+                u = torch.rand(need, dtype=torch.float64, generator=generator)
+                slots, prio = self.tree.sample(u=u.to(self.tree.device))
+                slots, prio = slots.cpu(), prio.cpu().to(torch.float64)
+                if remaining is None:
+                    kept_slots.append(slots)
+                    kept_prio.append(prio)
+                    break
+                order = torch.argsort(slots, stable=True)
+                slots, prio = slots[order], prio[order]
+                _, inverse, counts = torch.unique_consecutive(slots, return_inverse=True, return_counts=True)
+                rank = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
+                keep = rank < (remaining[slots] - used[slots])
+                slots, prio = slots[keep], prio[keep]
+                used.index_add_(0, slots, torch.ones_like(slots))
+                kept_slots.append(slots)
+                kept_prio.append(prio)
+                need -= slots.numel()
+                spent = torch.unique(slots)
+                set_aside(spent[used[spent] >= remaining[spent]])
+        finally:
+            for slots, values in reversed(aside):
+                self._write(slots, values)
+        if not kept_slots:
+            return empty
+        return torch.cat(kept_slots), torch.cat(kept_prio)
+
+    def is_weights(self, prio: torch.Tensor, buffer_min: float) -> torch.Tensor:
+        """IS weights (float32) for rows drawn with priorities `prio`, under `weight_norm`;
+        `buffer_min` is the smallest positive priority in the sampled population."""
+        if self.beta == 0 or prio.numel() == 0:
+            return torch.ones(prio.shape, dtype=torch.float32)
+        p = prio.to(torch.float64)
+        if self.weight_norm == "buffer_max":
+            return (p / buffer_min).pow(-self.beta).to(torch.float32)
+        w = (p / p.min()).pow(-self.beta)
+        if self.weight_norm == "batch_mean":
+            w = w / w.mean()
+        return w.to(torch.float32)
 
     # -- state ---------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, "config": self.config(), "tree": self.tree.state_dict()}
+        return {"type": type(self).__name__, "config": self.config(), "tree": self.tree.state_dict(),
+                "version": self._version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("type") != type(self).__name__:
             raise ValueError(f"sampler state is for {state.get('type')!r}, this sampler is {type(self).__name__}")
         if state.get("config") != self.config():
             raise ValueError(f"sampler config differs: saved {state.get('config')}, this sampler {self.config()}")
+        version = state.get("version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(f"sampler state 'version' must be an int or None, got {version!r}")
         self.tree.load_state_dict(state["tree"])
+        self._version = version
 
     def to(self, device: torch.device | str) -> "TreeSampler":
         self._device = torch.device(device)

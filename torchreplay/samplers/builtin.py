@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchreplay.samplers.base import SlotView, TreeSampler
+from torchreplay.samplers.base import SlotView, TreeSampler, check_weight_norm
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
@@ -33,25 +33,37 @@ class UniformSampler(TreeSampler):
 
 
 class PrioritizedSampler(TreeSampler):
-    """PER on advantage magnitude: p_i = (|A_i| + eps) ** alpha, IS weights with exponent beta.
+    """PER on advantage magnitude: p_i = (|A_i| + eps) ** alpha for A_i != 0, and p_i = 0 for a
+    zero advantage (a GRPO group whose rewards were all equal: no policy gradient), unless
+    `keep_zero_advantage=True` gives those eps ** alpha. Zero-priority rollouts stay stored (a
+    later `update_priorities` can revive them) but are never drawn and never set the IS scale.
+    IS weights use exponent beta and `weight_norm` (see TreeSampler).
 
     `beta` may be annealed by the caller (`sampler.beta = ...`) between samples.
     """
 
-    def __init__(self, alpha: float = 1.0, beta: float = 0.4, eps: float = 1e-3) -> None:
+    def __init__(self, alpha: float = 1.0, beta: float = 0.4, eps: float = 1e-3, weight_norm: str = "batch_max",
+                 keep_zero_advantage: bool = False) -> None:
         super().__init__()
         self.alpha = _check_positive("alpha", alpha, allow_zero=True)
         self.beta = _check_positive("beta", beta, allow_zero=True)
         self.eps = _check_positive("eps", eps)
+        self.weight_norm = check_weight_norm(weight_norm)
+        if not isinstance(keep_zero_advantage, bool):
+            raise TypeError(f"keep_zero_advantage must be a bool, got {type(keep_zero_advantage).__name__}")
+        self.keep_zero_advantage = keep_zero_advantage
 
     def base_priority(self, slots: torch.Tensor) -> torch.Tensor:
-        return (self.slots.advantage[slots].double().abs() + self.eps).pow(self.alpha)
+        magnitude = self.slots.advantage[slots].double().abs()
+        p = (magnitude + self.eps).pow(self.alpha)
+        return p if self.keep_zero_advantage else p.masked_fill(magnitude == 0, 0.0)
 
     def priority(self, slots: torch.Tensor) -> torch.Tensor:
         return self.base_priority(slots)
 
     def config(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "eps": self.eps}
+        return {"alpha": self.alpha, "eps": self.eps, "weight_norm": self.weight_norm,
+                "keep_zero_advantage": self.keep_zero_advantage}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "beta": self.beta}
@@ -66,16 +78,23 @@ class FreshnessSampler(PrioritizedSampler):
 
     exp(-(t_now - t_i)/tau) = exp(-t_now/tau) * exp(t_i/tau), and proportional sampling ignores the
     common factor, so each leaf stores the fixed factor exp((t_i - t_ref)/tau) and nothing changes
-    as t_now advances: O(1) per inserted or updated leaf. Only when t_now - t_ref exceeds
-    `rebase_after * tau` (the factors of new leaves would grow towards overflow) is t_ref moved
-    and the live leaves rewritten, once per `rebase_after * tau` versions.
+    as t_now advances: O(1) per inserted or updated leaf. `t_ref` is the buffer's version rounded
+    down to a multiple of `period = max(1, floor(rebase_after * tau))`: no stored rollout is newer
+    than the version, so every factor stays below exp(period / tau) <= exp(32) at any version up to
+    2**62, and ranks at the same version use the same reference (exact global sampling). When the
+    version crosses a period boundary, `t_ref` moves before any new leaf is written and the live
+    leaves are rewritten, once per period. A rollout ~700 tau older than t_ref underflows to
+    priority 0 (its true relative weight is below 1e-300).
     """
 
     rebase_after = 32.0
 
-    def __init__(self, alpha: float = 1.0, beta: float = 0.4, eps: float = 1e-3, tau: float = 4.0) -> None:
-        super().__init__(alpha=alpha, beta=beta, eps=eps)
+    def __init__(self, alpha: float = 1.0, beta: float = 0.4, eps: float = 1e-3, tau: float = 4.0,
+                 weight_norm: str = "batch_max", keep_zero_advantage: bool = False) -> None:
+        super().__init__(alpha=alpha, beta=beta, eps=eps, weight_norm=weight_norm,
+                         keep_zero_advantage=keep_zero_advantage)
         self.tau = _check_positive("tau", tau)
+        self.period = max(1, math.floor(self.rebase_after * self.tau))
         self.t_ref = 0
         self.rebases = 0
 
@@ -83,13 +102,13 @@ class FreshnessSampler(PrioritizedSampler):
         age_from_ref = (self.slots.policy_version[slots] - self.t_ref).double()
         return self.base_priority(slots) * torch.exp(age_from_ref / self.tau)
 
-    def on_advance(self, version: int) -> None:
-        if version - self.t_ref > self.rebase_after * self.tau:
-            self.t_ref = version
-            self.rebases += 1
-            live = self.slots.live.nonzero().flatten()
-            if live.numel():
-                self._write(live, self.priority(live))
+    def changed_by_version(self, old: int | None, new: int) -> torch.Tensor:
+        t_ref = new - new % self.period
+        if t_ref == self.t_ref:
+            return torch.empty(0, dtype=torch.int64)
+        self.t_ref = t_ref
+        self.rebases += 1
+        return self.slots.live.nonzero().flatten()
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "tau": self.tau}
@@ -108,6 +127,7 @@ class PNewestSampler(TreeSampler):
     rest is uniform over the other live rollouts."""
 
     tree_dtype = torch.float32
+    proportional = False
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
@@ -130,35 +150,32 @@ class PNewestSampler(TreeSampler):
     def _alive(self, slot: int, seq: int) -> bool:
         return bool(self.slots.live[slot]) and int(self.slots.seq[slot]) == seq
 
-    def _newest(self, k: int) -> list[int]:
+    def _newest(self, k: int, remaining: torch.Tensor | None) -> list[int]:
         out: list[int] = []
         for slot, seq in reversed(self._order):
             if len(out) == k:
                 break
-            if self._alive(slot, seq):
+            if self._alive(slot, seq) and (remaining is None or int(remaining[slot]) > 0):
                 out.append(slot)
         return out
 
-    def sample(self, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        newest = self._newest(min(math.ceil(self.p * n), n))
-        rest = n - len(newest)
+    def sample(self, n: int, generator: torch.Generator | None,
+               remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        newest = self._newest(min(math.ceil(self.p * n), n), remaining)
         newest_t = torch.tensor(newest, dtype=torch.int64)
-        if rest and newest:
-            # Exclude the newest from the uniform part for the duration of this draw.
-            self._write(newest_t, torch.zeros(len(newest), dtype=self.tree_dtype))
-        try:
-            if rest and self.tree.total().item() > 0:
-                drawn, _ = super().sample(rest, generator)
-            elif rest:  # everything live is among the newest: draw those again
-                pick = torch.randint(len(newest), (rest,), generator=generator)
-                drawn = newest_t[pick]
-            else:
-                drawn = torch.empty(0, dtype=torch.int64)
-        finally:
-            if rest and newest:
-                self._write(newest_t, self.priority(newest_t))
+        rest = n - len(newest)
+        # The uniform part excludes the newest for this draw...
+        others = torch.full((self.slots.capacity,), n, dtype=torch.int64) if remaining is None else remaining.clone()
+        others[newest_t] = 0
+        drawn, _ = self.draw(rest, generator, others)
+        # ...unless nothing else is left: then the newest are drawn again, within their budgets.
+        if drawn.numel() < rest and newest:
+            again = others.zero_()
+            again[newest_t] = n if remaining is None else remaining[newest_t] - 1
+            extra, _ = self.draw(rest - drawn.numel(), generator, again)
+            drawn = torch.cat([drawn, extra])
         slots = torch.cat([newest_t, drawn])
-        return slots, torch.ones(n, dtype=torch.float32)
+        return slots, torch.ones(slots.numel(), dtype=torch.float32)
 
     def config(self) -> dict[str, Any]:
         return {"p": self.p}
@@ -215,17 +232,26 @@ class GroupSampler:
     def on_advance(self, version: int) -> None:
         pass
 
-    def sample(self, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._groups:
-            raise ValueError("cannot sample: the buffer is empty")
+    def sample(self, n: int, generator: torch.Generator | None,
+               remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         out: list[int] = []
-        while len(out) < n:
+        budget: dict[int, int] = {}
+        exhausted: set[int] = set()
+        while len(out) < n and len(exhausted) < len(self._groups):
             gid = self._groups[int(torch.randint(len(self._groups), (1,), generator=generator))]
             members = sorted(self._members[gid])
+            if remaining is not None:
+                members = [m for m in members if budget.setdefault(m, int(remaining[m])) > 0]
+            if not members:
+                exhausted.add(gid)
+                continue
             take = min(self.per_group, len(members), n - len(out))
             order = torch.randperm(len(members), generator=generator)[:take]
-            out.extend(members[i] for i in order.tolist())
-        return torch.tensor(out, dtype=torch.int64), torch.ones(n, dtype=torch.float32)
+            for i in order.tolist():
+                out.append(members[i])
+                if remaining is not None:
+                    budget[members[i]] -= 1
+        return torch.tensor(out, dtype=torch.int64), torch.ones(len(out), dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
         return {"type": "GroupSampler", "config": {"per_group": self.per_group},

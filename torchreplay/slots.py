@@ -1,0 +1,223 @@
+"""SlotTable: the per-slot metadata and the bookkeeping every eviction rule needs.
+
+The buffer and its samplers share one table. It answers the questions the caps ask (which live
+slots are the oldest, which are older than a version) without changing anything, so a caller can
+decide everything first and commit afterwards: the buffer's calls are all-or-nothing because the
+table's queries are pure and its few mutations (`take`, `insert`, `kill`) have exact inverses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice
+from typing import Any, Mapping
+
+import torch
+
+# Per-rollout fields the table holds (samplers, metrics, batches read them here, not in shards).
+TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
+
+
+class SlotTable:
+    """Per-slot metadata (CPU tensors of `capacity`), the free stack and the two eviction orders.
+
+    A slot's `seq` is its rollout's insertion number (unique for the buffer's lifetime), so an
+    `(slot, seq)` pair names one rollout even after the slot is reused. The insertion order and
+    the per-version index hold such pairs and skip dead ones lazily; `compact()` drops them.
+    `age` of a live rollout is `version - policy_version` (docs/concepts.md).
+    """
+
+    TENSORS = ("live", "generation", "seq", "reuse", "advantage", "reward", "group_id", "policy_version",
+               "prompt_len", "chunk", "row")
+
+    def __init__(self, capacity: int, track_versions: bool) -> None:
+        self.capacity = capacity
+        self.live = torch.zeros(capacity, dtype=torch.bool)
+        self.generation = torch.zeros(capacity, dtype=torch.int64)
+        self.seq = torch.full((capacity,), -1, dtype=torch.int64)
+        self.reuse = torch.zeros(capacity, dtype=torch.int64)
+        self.advantage = torch.zeros(capacity, dtype=torch.float32)
+        self.reward = torch.zeros(capacity, dtype=torch.float32)
+        self.group_id = torch.zeros(capacity, dtype=torch.int64)
+        self.policy_version = torch.zeros(capacity, dtype=torch.int64)
+        self.prompt_len = torch.zeros(capacity, dtype=torch.int64)
+        self.chunk = torch.full((capacity,), -1, dtype=torch.int64)
+        self.row = torch.zeros(capacity, dtype=torch.int64)
+        self.version = 0
+        self.count = 0
+        self.next_seq = 0
+        # Lowest slot reused first, deterministically.
+        self.free: list[int] = list(range(capacity - 1, -1, -1))
+        self._fifo: deque[tuple[int, int]] = deque()
+        self._by_version: dict[int, list[tuple[int, int]]] = {}
+        self._version_entries = 0
+        self.track_versions = track_versions
+
+    # -- the SlotView samplers read -------------------------------------------------------------
+    @property
+    def current_version(self) -> int:
+        return self.version
+
+    def live_count(self) -> int:
+        return self.count
+
+    def ages(self, slots: torch.Tensor, version: int | None = None) -> torch.Tensor:
+        return (self.version if version is None else version) - self.policy_version[slots]
+
+    # -- queries (pure) -------------------------------------------------------------------------
+    def _alive(self, pairs: torch.Tensor) -> torch.Tensor:
+        return self.live[pairs[:, 0]] & (self.seq[pairs[:, 0]] == pairs[:, 1])
+
+    def oldest(self, k: int) -> torch.Tensor:
+        """The k oldest live slots by insertion (fewer if fewer are live). The dead prefix met on
+        the way is dropped from the order, which changes nothing observable."""
+        found: list[torch.Tensor] = []
+        have = position = 0
+        while have < k and position < len(self._fifo):
+            take = min(len(self._fifo) - position, max(2 * (k - have), 64))
+            pairs = torch.tensor(list(islice(self._fifo, position, position + take)), dtype=torch.int64)
+            alive = self._alive(pairs)
+            if position == 0:
+                lead = int(alive.to(torch.int8).argmax()) if bool(alive.any()) else take
+                for _ in range(lead):
+                    self._fifo.popleft()
+                pairs, alive = pairs[lead:], alive[lead:]
+                position = take - lead
+            else:
+                position += take
+            slots = pairs[alive, 0][: k - have]
+            found.append(slots)
+            have += slots.numel()
+        return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+
+    def older_than(self, version: int) -> torch.Tensor:
+        """Live slots whose policy_version < `version`: O(distinct versions + result)."""
+        if not self.track_versions:
+            self.track_versions = True
+            self.compact()
+        out = [pairs for v, pairs in self._by_version.items() if v < version]
+        if not out:
+            return torch.empty(0, dtype=torch.int64)
+        pairs = torch.tensor([p for part in out for p in part], dtype=torch.int64).reshape(-1, 2)
+        return pairs[self._alive(pairs), 0]
+
+    def live_slots(self) -> torch.Tensor:
+        return self.live.nonzero().flatten()
+
+    # -- mutations ------------------------------------------------------------------------------
+    def take(self, n: int) -> torch.Tensor:
+        """Pop n free slots (the caller made room first). Undo: `give_back(slots)`."""
+        return torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.int64)
+
+    def give_back(self, slots: torch.Tensor) -> None:
+        self.free.extend(reversed(slots.tolist()))
+
+    def insert(self, slots: torch.Tensor, meta: Mapping[str, torch.Tensor], chunk: int) -> None:
+        """Make `slots` live with the given per-rollout metadata, rows 0..n-1 of shard `chunk`."""
+        n = slots.numel()
+        seq = torch.arange(self.next_seq, self.next_seq + n, dtype=torch.int64)
+        self.next_seq += n
+        self.live[slots] = True
+        self.generation[slots] += 1
+        self.seq[slots] = seq
+        self.reuse[slots] = 0
+        for name in TABLE_FIELDS:
+            getattr(self, name)[slots] = meta[name]
+        self.chunk[slots] = chunk
+        self.row[slots] = torch.arange(n, dtype=torch.int64)
+        self.count += n
+        pairs = list(zip(slots.tolist(), seq.tolist()))
+        self._fifo.extend(pairs)
+        if self.track_versions:
+            for pair, v in zip(pairs, meta["policy_version"].tolist()):
+                self._by_version.setdefault(v, []).append(pair)
+            self._version_entries += n
+        # Dead entries are skipped lazily; drop them once they outnumber the live ones, so the
+        # orders stay O(capacity) whether or not the version ever moves.
+        bound = 2 * self.count + 1024
+        if len(self._fifo) > bound or self._version_entries > bound:
+            self.compact()
+
+    def kill(self, slots: torch.Tensor) -> list[tuple[int, int]]:
+        """Mark live slots dead and free them; returns (shard id, rows) released per shard."""
+        if slots.numel() == 0:
+            return []
+        shard_ids, counts = torch.unique(self.chunk[slots], return_counts=True)
+        self.live[slots] = False
+        self.count -= slots.numel()
+        self.chunk[slots] = -1
+        self.free.extend(reversed(slots.tolist()))
+        return list(zip(shard_ids.tolist(), counts.tolist()))
+
+    def snapshot_rows(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The table's rows at `slots`, for `restore_rows` (the undo of kill/insert)."""
+        return {name: getattr(self, name)[slots].clone() for name in self.TENSORS}
+
+    def restore_rows(self, slots: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+        for name in self.TENSORS:
+            getattr(self, name)[slots] = rows[name]
+
+    def compact(self) -> None:
+        """Rebuild both orders from the table alone: live slots in insertion (seq) order."""
+        live = self.live_slots()
+        order = live[torch.argsort(self.seq[live])]
+        self._fifo = deque(zip(order.tolist(), self.seq[order].tolist()))
+        self._by_version = {}
+        if self.track_versions:
+            by_version = order[torch.sort(self.policy_version[order], stable=True).indices]
+            versions, counts = torch.unique_consecutive(self.policy_version[by_version], return_counts=True)
+            for version, part in zip(versions.tolist(), torch.split(by_version, counts.tolist())):
+                self._by_version[version] = list(zip(part.tolist(), self.seq[part].tolist()))
+        self._version_entries = sum(len(b) for b in self._by_version.values())
+
+    def drop_versions_below(self, version: int) -> None:
+        """Forget index buckets below `version` once their slots are dead (after a staleness cut)."""
+        for v in [v for v in self._by_version if v < version]:
+            self._version_entries -= len(self._by_version.pop(v))
+
+    def order_sizes(self) -> tuple[int, int]:
+        """(insertion-order entries, version-index entries), dead ones included: both O(capacity)."""
+        return len(self._fifo), self._version_entries
+
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"table": {name: getattr(self, name).clone() for name in self.TENSORS}, "version": self.version,
+                "count": self.count, "next_seq": self.next_seq, "free": torch.tensor(self.free, dtype=torch.int64)}
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError unless `state` is a consistent table of this capacity."""
+        table = state.get("table")
+        if not isinstance(table, Mapping):
+            raise ValueError("state 'table' must be a mapping")
+        for name in self.TENSORS:
+            ref = getattr(self, name)
+            value = table.get(name)
+            if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
+                raise ValueError(f"state table[{name!r}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}")
+        for name in ("version", "count", "next_seq"):
+            if isinstance(state.get(name), bool) or not isinstance(state.get(name), int):
+                raise ValueError(f"state {name!r} must be an int")
+        live = table["live"]
+        if int(live.sum()) != state["count"]:
+            raise ValueError("state: count disagrees with the live mask")
+        free = state.get("free")
+        if not isinstance(free, torch.Tensor) or free.dtype != torch.int64 or free.dim() != 1:
+            raise ValueError("state 'free' must be a 1-D int64 tensor")
+        if free.numel() and (int(free.min()) < 0 or int(free.max()) >= self.capacity or bool(live[free].any())):
+            raise ValueError("state 'free' names a slot outside the buffer or a live one")
+        if free.numel() + state["count"] != self.capacity or torch.unique(free).numel() != free.numel():
+            raise ValueError("state: free slots + live rollouts != capacity")
+        if live.any() and int(table["seq"][live].max()) >= state["next_seq"]:
+            raise ValueError("state: a live slot's seq is not below next_seq")
+
+    @classmethod
+    def from_state(cls, capacity: int, track_versions: bool, state: Mapping[str, Any]) -> "SlotTable":
+        out = cls(capacity, track_versions)
+        out.check_state(state)
+        for name in cls.TENSORS:
+            setattr(out, name, state["table"][name].clone())
+        out.version, out.count, out.next_seq = state["version"], state["count"], state["next_seq"]
+        out.free = state["free"].tolist()
+        out.chunk[~out.live] = -1
+        out.compact()
+        return out
