@@ -114,7 +114,8 @@ def _job_main(rank: int, world: int, out: dict) -> None:
     from torchreplay.distributed import DistributedHandles, DistributedRolloutBuffer
 
     def sampler() -> tr.PrioritizedSampler:
-        return tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS)
+        # buffer_max: the scenarios below check PER's job-wide normalization by the smallest priority.
+        return tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS, weight_norm="buffer_max")
 
     data = [shard_batch(r) for r in range(world)]
     prio = [(shard_advantages(r).double().abs() + EPS) for r in range(world)]
@@ -323,7 +324,7 @@ def unique_batch(n: int, version: int, seed: int, first_id: int) -> dict:
 def _ckpt_sampler() -> Any:
     import torchreplay as tr
 
-    return tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS)
+    return tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS, weight_norm="buffer_max")
 
 
 def _job_ckpt_origin(rank: int, world: int, out: dict, uri: str) -> None:
@@ -395,7 +396,62 @@ def _job_ckpt_to_three(rank: int, world: int, out: dict, uri: str) -> None:
                           "tokens": b.tokens.tolist(), "reuse": b.reuse.tolist()}
 
 
-JOBS = {"main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
+def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
+    """2 ranks: global sample(b) for b = 1..9 with an odd-width rollout field, batch-max weights,
+    the reuse cap across ranks within one call; then a 1 -> 2 reshard of a FreshnessSampler
+    checkpoint written by rank 0 alone."""
+    import torchreplay as tr
+    from rollouts import make_batch
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    score = {"score": tr.FieldSpec("score", "rollout", torch.int32, (), accept="int")}
+    buf = DistributedRolloutBuffer(mode="global", capacity=32, extra_fields=score, max_reuse=2,
+                                   sampler=tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS))
+    data = shard_batch(rank)
+    data["score"] = (data["advantage"] * 1000).round().to(torch.int32)  # checkable on any receiver
+    buf.add(data)
+    gen = torch.Generator().manual_seed(77 + rank)
+    out["sizes"], out["scores_ok"], out["max_weight"], out["draws"] = [], True, [], []
+    for b in range(1, 10):
+        batch = buf.sample(b, generator=gen)
+        out["sizes"].append(len(batch))
+        expect = (batch.advantage * 1000).round().to(torch.int32)
+        out["scores_ok"] &= bool(torch.equal(batch.score, expect))
+        out["max_weight"].append(float(batch.weights.max()))
+        out["draws"].append(list(zip(batch.handles.rank.tolist(), batch.handles.slot.tolist(),
+                                     batch.reuse.tolist())))
+        buf.add(dict(data, policy_version=0))  # refill what the reuse cap evicted
+    buf.close()
+
+    # 1 -> 2 reshard: rank 0 writes a 1-rank checkpoint (its own group of one), then both resume.
+    import torch.distributed as dist
+
+    solo = dist.new_group([0])
+    if rank == 0:
+        old = DistributedRolloutBuffer(process_group=solo, mode="global", capacity=64, checkpoint_uri=uri,
+                                       max_staleness=8,
+                                       sampler=tr.FreshnessSampler(alpha=1.0, beta=0.4, eps=EPS, tau=0.5))
+        for v in (10, 14, 18):
+            old.add(make_batch(4, version=v, seed=v))
+        old.buffer.sampler.beta = 0.7  # annealed: state, not configuration
+        old.checkpoint()
+        old.close()
+    dist.barrier()
+    new = DistributedRolloutBuffer.from_checkpoint(uri, mode="global", capacity=64)
+    sampler = new.buffer.sampler
+    out["reshard"] = {"version": new.version, "t_ref": sampler.t_ref, "beta": sampler.beta,
+                      "tau": sampler.tau, "weight_norm": sampler.weight_norm, "live": len(new),
+                      "max_staleness": new.buffer.max_staleness}
+    counts: dict[str, int] = {}
+    g = torch.Generator().manual_seed(5 + rank)
+    for _ in range(50):
+        b = new.sample(10, generator=g)
+        for v in b.policy_version.tolist():
+            counts[str(v)] = counts.get(str(v), 0) + 1
+    out["reshard_version_draws"] = counts
+
+
+JOBS = {"contract": _job_contract, "main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
         "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three}
 
 
@@ -406,6 +462,51 @@ def main_job(tmp_path_factory) -> list[dict]:
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r} failed (exit {codes[r]}):\n{res.get('traceback')}"
     return results
+
+
+@pytest.fixture(scope="module")
+def contract_job(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("contract")
+    results, codes = run_job("contract", 2, root, job_args={"uri": f"file://{root}/run"})
+    for r, res in enumerate(results):
+        assert res.get("ok"), f"rank {r} failed (exit {codes[r]}):\n{res.get('traceback')}"
+    return results
+
+
+def test_global_sample_of_every_size_with_odd_width_fields(contract_job):
+    """sample(1) used to crash viewing a 4-byte-wide column of one packed row as int64."""
+    for res in contract_job:
+        assert res["sizes"] == list(range(1, 10))
+        assert res["scores_ok"]
+        # batch_max (the default): each batch's lowest-priority row gets weight 1.
+        assert all(w == pytest.approx(1.0) for w in res["max_weight"])
+
+
+def test_global_reuse_cap_holds_across_ranks_within_one_call(contract_job):
+    for call in range(9):
+        seen: dict[tuple[int, int], int] = {}
+        for res in contract_job:
+            for owner, slot, reuse in res["draws"][call]:
+                seen[(owner, slot)] = seen.get((owner, slot), 0) + 1
+                assert reuse < 2
+        # Both ranks' batches together: no rollout more often than max_reuse=2 (minus earlier uses).
+        assert max(seen.values()) <= 2, (call, seen)
+
+
+def test_reshard_keeps_freshness_staleness_and_sampler_config_on_every_rank(contract_job):
+    a, b = contract_job[0]["reshard"], contract_job[1]["reshard"]
+    for r in (a, b):
+        assert r["version"] == 18 and r["max_staleness"] == 8
+        assert r["beta"] == pytest.approx(0.7) and r["tau"] == 0.5 and r["weight_norm"] == "batch_max"
+    assert a["t_ref"] == b["t_ref"]
+    assert a["live"] + b["live"] == 12  # nothing lost, nothing duplicated
+    # tau 0.5: version 18 outweighs 14 by e^8; every draw must be version 18 rollouts (and none is lost to a
+    # rank that never learned the newest version).
+    total = {}
+    for res in contract_job:
+        for v, n in res["reshard_version_draws"].items():
+            total[v] = total.get(v, 0) + n
+    assert total.get("18", 0) / sum(total.values()) > 0.99
 
 
 def test_global_sampling_frequencies_match_priorities_over_all_ranks(main_job):

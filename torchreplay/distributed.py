@@ -86,11 +86,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torchreplay.assembly import padding_mask
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import ObjectStore
 from torchreplay.errors import CheckpointError, ReplayError
-from torchreplay.samplers import PNewestSampler, TreeSampler
 from torchreplay.schema import ROLLOUT, TOKEN
 
 MODES = ("local", "global")
@@ -145,8 +145,13 @@ def _to_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of `_to_bytes`: [rows, bytes per row] uint8 -> [rows, *shape] of `dtype`."""
-    return b.contiguous().view(dtype).reshape(b.shape[0], *shape)
+    """Inverse of `_to_bytes`: [rows, bytes per row] uint8 -> [rows, *shape] of `dtype`.
+
+    Copied into a fresh [rows, width] buffer first: a column slice of a packed row keeps the row's
+    stride, which `view(dtype)` rejects unless it divides by the element size (a single row is
+    "contiguous" whatever its stride, so `.contiguous()` would not fix it)."""
+    dense = torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b)
+    return dense.view(dtype).reshape(b.shape[0], *shape)
 
 
 def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -262,7 +267,7 @@ def _check_checkpoint_args(uri: str | None, interval_s: float, endpoint_url: str
 
 
 def _check_sampler(buffer: RolloutBuffer, mode: str) -> None:
-    if mode == "global" and (not isinstance(buffer.sampler, TreeSampler) or isinstance(buffer.sampler, PNewestSampler)):
+    if mode == "global" and not getattr(buffer.sampler, "proportional", False):
         raise TypeError("mode='global' needs a proportional tree sampler (PrioritizedSampler, "
                         f"FreshnessSampler or UniformSampler), got {type(buffer.sampler).__name__}")
 
@@ -343,7 +348,7 @@ class DistributedRolloutBuffer:
                             else torch.device("cpu"))
         self._failed: str | None = None
         self._counters: dict[str, float] = {
-            "dist_sample_calls": 0, "dist_received": 0, "dist_served": 0,
+            "dist_sample_calls": 0, "dist_received": 0, "dist_served": 0, "dist_reuse_redraws": 0,
             "dist_payload_bytes_sent": 0, "dist_control_bytes_sent": 0,
         }
         self._last_ess = math.nan
@@ -443,8 +448,8 @@ class DistributedRolloutBuffer:
     def _shard_row(self, batch_size: int, ok: bool, shift: float = 0.0) -> torch.Tensor:
         sampler = self.buffer.sampler
         count = len(self.buffer)
-        if isinstance(sampler, TreeSampler) and sampler.tree is not None and not isinstance(sampler, PNewestSampler):
-            total, pmin = float(sampler.tree.total()), float(sampler.tree.min())
+        if getattr(sampler, "proportional", False):
+            total, pmin = sampler.mass()
         else:  # samplers without priorities: weights are all ones, only count matters
             total, pmin = float(count), (1.0 if count else math.inf)
         beta = float(getattr(sampler, "beta", 0.0))
@@ -550,7 +555,7 @@ class DistributedRolloutBuffer:
                       buffer_kwargs: dict[str, Any]) -> tuple[RolloutBuffer, float]:
         """Build this rank's shard from its share of generation `source`; returns it and a
         fingerprint of the plan (equal on every rank iff all read the same manifests)."""
-        from torchreplay.checkpoint.restore import _buffer_kwargs, _sampler_from_state, load_state
+        from torchreplay.checkpoint.restore import buffer_kwargs_from_config, sampler_from_state, load_state
 
         places = [rank_uri(uri, source, o) for o in range(source_world)]
         stores = [open_store(p, endpoint_url) for p in places]
@@ -562,9 +567,9 @@ class DistributedRolloutBuffer:
             for n, r in zip(rows, owners):
                 share[r] += n
         state = load_state(stores[0], manifests[0])
-        kwargs = {**_buffer_kwargs(state["config"], buffer_kwargs), **buffer_kwargs}
+        kwargs = {**buffer_kwargs_from_config(state["config"], buffer_kwargs), **buffer_kwargs}
         if kwargs.get("sampler") is None:
-            kwargs["sampler"] = _sampler_from_state(state)
+            kwargs["sampler"] = sampler_from_state(state)
         capacity = kwargs.get("capacity")
         if isinstance(capacity, int) and not isinstance(capacity, bool) and max(share) > capacity:
             raise ValueError(f"resharding {sum(share)} rollouts from {source_world} to {self.world_size} ranks puts up "
@@ -572,6 +577,10 @@ class DistributedRolloutBuffer:
                              f"pass capacity >= {max(share)}")
         buffer = RolloutBuffer(**kwargs)
         try:
+            # Every rank starts at the old job's newest version before importing anything: the
+            # staleness cap and FreshnessSampler's reference then agree on every rank, whichever
+            # shards a rank happens to import (and in whatever order).
+            buffer.advance(max(m["policy_version"] for m in manifests))
             imported = 0
             for o, place in enumerate(places):
                 mine = owner[o]
@@ -589,9 +598,6 @@ class DistributedRolloutBuffer:
             if imported != share[self.rank]:
                 raise CheckpointError(f"rank {self.rank} imported {imported} rollouts from generation {source}, "
                                       f"planned {share[self.rank]}")
-            version = max(m["policy_version"] for m in manifests)
-            if version > buffer.version:
-                buffer.advance(version)
         except BaseException:
             _discard(buffer)
             raise
@@ -670,8 +676,9 @@ class DistributedRolloutBuffer:
             raise ValueError(f"cannot sample in local mode: the shard of rank(s) {empty} is empty")
         batch = self.buffer.sample(batch_size, generator=generator)
         beta = float(rows[self.rank, _BETA])
-        if beta:
+        if beta and getattr(self.buffer.sampler, "weight_norm", None) == "buffer_max":
             # The sampler normalized by this shard's min; rescale to the job-wide smallest probability.
+            # (The batch norms need nothing: within one rank's batch the shard total cancels.)
             ratio = rows[:, _MIN] / rows[:, _TOTAL]
             factor = (ratio[self.rank] / ratio.min()) ** -beta
             batch.weights = (batch.weights.double() * factor).to(torch.float32)
@@ -736,9 +743,9 @@ class DistributedRolloutBuffer:
         failure: BaseException | None = None
         batch = None
         if n:
-            slots, prio = buf.sampler.tree.sample(u=requests.to(buf.sampler.tree.device), stratified=False)
-            slots, prio = slots.cpu(), prio.cpu().to(torch.float64)
+            slots, prio = buf.sampler.draw_at(requests)
             try:
+                slots, prio = self._within_reuse_budget(slots, prio)
                 batch = buf.gather(slots, count_use=True)
             except Exception as e:  # noqa: BLE001 - re-raised by the caller after the exchange
                 failure = e
@@ -774,6 +781,32 @@ class DistributedRolloutBuffer:
         tokens_per_peer = [int(s.sum()) for s in torch.split(lengths, recv_counts)]
         return meta, token_bytes, tokens_per_peer, failure
 
+    def _within_reuse_budget(self, slots: torch.Tensor, prio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owner side: keep each requested slot's first draws up to its reuse budget and redraw the
+        rest from this shard (proportionally, among slots with budget left, with the shard's own
+        generator), so no rollout exceeds max_reuse even when several ranks requested it."""
+        buf = self.buffer
+        if buf.max_reuse is None or slots.numel() == 0:
+            return slots, prio
+        remaining = (buf.max_reuse - buf.slots.reuse).clamp(min=0)
+        remaining[~buf.slots.live] = 0
+        order = torch.argsort(slots, stable=True)
+        _, inverse, counts = torch.unique_consecutive(slots[order], return_inverse=True, return_counts=True)
+        rank_in_slot = torch.empty_like(slots)
+        rank_in_slot[order] = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
+        over = rank_in_slot >= remaining[slots]
+        if not bool(over.any()):
+            return slots, prio
+        remaining.index_add_(0, slots[~over], -torch.ones_like(slots[~over]))
+        extra, extra_prio = buf.sampler.draw(int(over.sum()), buf.generator, remaining)
+        if extra.numel() < int(over.sum()):
+            raise ValueError(f"rank {self.rank}: the requested rollouts exceed their reuse budgets and this shard "
+                             "has no other rollout with budget left")
+        slots, prio = slots.clone(), prio.clone()
+        slots[over], prio[over] = extra, extra_prio
+        self._counters["dist_reuse_redraws"] += extra.numel()
+        return slots, prio
+
     def _decode_meta(self, meta: torch.Tensor) -> dict[str, torch.Tensor]:
         out, col = {}, 0
         layout = [(k, torch.int64, ()) for k in _META_INT] + [(k, torch.float64, ()) for k in _META_FLOAT]
@@ -791,11 +824,7 @@ class DistributedRolloutBuffer:
         lengths = got["length"]
         n = lengths.numel()
         width = int(lengths.max()) if n else 0
-        positions = torch.arange(width)
-        if buf.padding_side == "right":
-            valid = positions[None, :] < lengths[:, None]
-        else:
-            valid = positions[None, :] >= (width - lengths)[:, None]
+        valid = padding_mask(lengths, width, buf.padding_side)
         valid_dev = valid.to(self.comm_device)
         restore = torch.argsort(order)
         restore_dev = restore.to(self.comm_device)
@@ -813,11 +842,10 @@ class DistributedRolloutBuffer:
             data[name] = got[name][restore].to(torch.float32)
         for name in self._extra_rollout_fields():
             data[name] = got[name][restore]
-        beta = float(rows[self.rank, _BETA])
         prio = got["priority"][restore]
-        weights = (prio / float(rows[:, _MIN].min())).pow(-beta) if beta else torch.ones(n, dtype=torch.float64)
+        weights = buf.sampler.is_weights(prio, float(rows[:, _MIN].min()))
         handles = DistributedHandles(got["slot"][restore], got["generation"][restore], owner_sorted[restore].clone())
-        return ReplayBatch(data=data, handles=handles, weights=weights.to(torch.float32),
+        return ReplayBatch(data=data, handles=handles, weights=weights,
                            age=got["age"][restore], reuse=got["reuse"][restore],
                            is_fresh=torch.zeros(n, dtype=torch.bool))
 

@@ -41,7 +41,7 @@ def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _sampler_from_state(state: dict[str, Any]):
+def sampler_from_state(state: dict[str, Any]):
     sampler_state = state.get("sampler")
     if not isinstance(sampler_state, dict):
         raise CheckpointError("checkpoint state has no sampler state")
@@ -61,7 +61,7 @@ def _sampler_from_state(state: dict[str, Any]):
     return sampler
 
 
-def _buffer_kwargs(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def buffer_kwargs_from_config(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Constructor arguments recorded in a checkpoint's config. Extra fields' specs are not
     recorded (only their names), so a buffer with extra fields needs `extra_fields=` passed in."""
     allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "pad_token_id", "ref_logprobs",
@@ -130,8 +130,8 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
         raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")
-    buffer_kwargs = {**_buffer_kwargs(state["config"], kwargs), **kwargs}
-    buffer = cls(sampler=sampler if sampler is not None else _sampler_from_state(state), storage=storage,
+    buffer_kwargs = {**buffer_kwargs_from_config(state["config"], kwargs), **kwargs}
+    buffer = cls(sampler=sampler if sampler is not None else sampler_from_state(state), storage=storage,
                  **buffer_kwargs)
     by_id = {s["id"]: s for s in manifest["shards"]}
     # Row counts come from the shard headers themselves, so the state is checked against the data.
