@@ -77,12 +77,12 @@ def test_prefetch_matches_sample(tmp_path):
 
 def test_shard_files_deleted_when_all_rollouts_evicted(tmp_path):
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
-    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=2, storage=storage)
     for v in range(3):
         buf.add(make_batch(8, version=v, seed=v))
     storage.flush()
     assert len(list(tmp_path.glob("*.trs"))) == 3
-    buf.advance(3)  # versions 0 and 1 go
+    buf.advance(4)  # versions 0 and 1 go
     assert len(list(tmp_path.glob("*.trs"))) == 1
     buf.close()
 
@@ -94,13 +94,13 @@ def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_pat
     import threading
 
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
-    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=2, storage=storage)
     for v in range(3):
         buf.add(make_batch(8, version=v, seed=v))
     storage.flush()
     pinned = [storage.shard(sid) for sid in sorted(storage._shards)[:2]]
     storage.pin_shards([s.id for s in pinned])
-    buf.advance(3)  # both pinned shards die; their files must outlive the pin
+    buf.advance(4)  # both pinned shards die; their files must outlive the pin
     assert all(os.path.exists(s.path) for s in pinned)
     deleted_before = storage.counters["deleted_shards"]
     unpinner = threading.Thread(target=storage.unpin_shards, args=(pinned,))

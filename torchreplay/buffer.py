@@ -109,6 +109,7 @@ class RolloutBuffer:
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(self.sampler).__name__}")
         self.slots = SlotTable(capacity, track_versions=max_staleness is not None)
         self.sampler.bind(self.slots)
+        self.sampler.on_advance(self.slots.version)
         self.storage = storage if storage is not None else TieredStorage()
         self.assembler = BatchAssembler(self.storage, self.fields, padding_side, self.pad_token_id)
         self.generator = torch.Generator()
@@ -156,10 +157,10 @@ class RolloutBuffer:
         remaining[excluded] = 0
         return remaining
 
-    def _draw(self, n: int, generator: torch.Generator, excluded: torch.Tensor,
-              if_short: str, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, n: int, generator: torch.Generator, excluded: torch.Tensor, if_short: str,
+              n_fresh: int = 0, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to n slots within every cap; all-or-nothing on the generator. A short draw raises
-        with if_short='raise', else is cut to a multiple of `multiple`."""
+        with if_short='raise', else is cut so that n_fresh + its length stays a multiple of `multiple`."""
         state = generator.get_state()
         try:
             slots, weights = self.sampler.sample(n, generator, self._remaining(excluded))
@@ -169,7 +170,7 @@ class RolloutBuffer:
                         f"cannot fill a batch of {n}: only {slots.numel()} draws fit the caps (live rollouts "
                         f"{len(self)}, non-zero priority and reuse budget left); pass if_short='truncate' "
                         "for a shorter batch")
-                keep = slots.numel() - slots.numel() % multiple
+                keep = max(0, slots.numel() - (n_fresh + slots.numel()) % multiple)
                 slots, weights = slots[:keep], weights[:keep]
         except BaseException:
             generator.set_state(state)
@@ -253,7 +254,7 @@ class RolloutBuffer:
         t.restore_rows(victims, victim_rows)
         t.free, t.count, t.next_seq = free, count, next_seq
         t.compact()
-        self._set_version(version, force=True)
+        self._set_version(version)
         if victims.numel():
             self.sampler.on_insert(victims)
 
@@ -441,7 +442,7 @@ class RolloutBuffer:
         replayed = None
         replay_slots = torch.empty(0, dtype=torch.int64)
         while count and self.slots.count and replayed is None:
-            replay_slots, replay_weights = self._draw(count, generator, stale, if_short, multiple)
+            replay_slots, replay_weights = self._draw(count, generator, stale, if_short, packed.n, multiple)
             if replay_slots.numel() == 0:
                 break
             plan = self.assembler.plan(self.slots, replay_slots, replay_weights,
