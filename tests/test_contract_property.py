@@ -1,0 +1,274 @@
+"""Property test of the replay contract: random call sequences against a small pure-Python model.
+
+The model knows, per rollout (identified by a unique group_id), its version, advantage, insertion
+order, use count and tokens, and applies the documented rules: staleness eviction whenever the
+version moves, capacity eviction oldest-first, the reuse cap, priority 0 for a zero advantage,
+batch-max IS weights, all-or-nothing failures. It cannot predict which rollouts a draw picks, so it
+takes the draw from the buffer, checks it against the rules, and applies its consequences.
+
+Bounded and seeded in `make test`; `TORCHREPLAY_SLOW=1` runs many more sequences. Mutations it
+catches (checked): drawing without the per-slot reuse budgets ("rollout 0 drawn 1x, budget 0"), and
+inserting without the staleness eviction at add (len 2 where the model holds 1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchreplay as tr
+from rollouts import make_batch
+from torchreplay.errors import SchemaError, StorageError
+from torchreplay.storage import TieredStorage
+
+SLOW = os.environ.get("TORCHREPLAY_SLOW", "0") == "1"
+CAPACITY = 12
+ALPHA, BETA, EPS = 1.0, 0.5, 1e-3
+
+
+class FlakyStorage(TieredStorage):
+    """Raises from the next `put`, as a background spill failure (ENOSPC) surfacing there."""
+
+    fail_next = False
+
+    def put(self, batch):
+        if self.fail_next:
+            self.fail_next = False
+            raise StorageError("background spill failed: [Errno 28] No space left on device")
+        return super().put(batch)
+
+
+@dataclass
+class Rollout:
+    version: int
+    advantage: float
+    seq: int
+    tokens: list[int]
+    reuse: int = 0
+
+
+@dataclass
+class Model:
+    max_staleness: int | None
+    max_reuse: int | None
+    version: int = 0
+    live: dict[int, Rollout] = field(default_factory=dict)
+    next_id: int = 0
+    next_seq: int = 0
+    evicted: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "reuse": 0, "capacity": 0})
+
+    def floor(self, version: int) -> int | None:
+        return None if self.max_staleness is None else version - self.max_staleness
+
+    def move_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+        floor = self.floor(self.version)
+        if floor is not None:
+            for rid in [r for r, x in self.live.items() if x.version < floor]:
+                del self.live[rid]
+                self.evicted["staleness"] += 1
+
+    def insert(self, ids: list[int], version: int, advantages: list[float], tokens: list[list[int]]) -> None:
+        self.move_version(version)
+        overflow = len(self.live) + len(ids) - CAPACITY
+        if overflow > 0:
+            for rid in sorted(self.live, key=lambda r: self.live[r].seq)[:overflow]:
+                del self.live[rid]
+                self.evicted["capacity"] += 1
+        for rid, a, t in zip(ids, advantages, tokens):
+            self.live[rid] = Rollout(version, a, self.next_seq, t)
+            self.next_seq += 1
+
+    def use(self, ids: list[int]) -> None:
+        for rid in ids:
+            if rid in self.live:
+                self.live[rid].reuse += 1
+        if self.max_reuse is not None:
+            for rid in set(ids):
+                if rid in self.live and self.live[rid].reuse >= self.max_reuse:
+                    del self.live[rid]
+                    self.evicted["reuse"] += 1
+
+    def budget(self, rid: int, at_version: int) -> int:
+        """How often rollout `rid` may be drawn now (0: not at all)."""
+        x = self.live[rid]
+        floor = self.floor(at_version)
+        if x.advantage == 0 or (floor is not None and x.version < floor):
+            return 0
+        return 10**9 if self.max_reuse is None else self.max_reuse - x.reuse
+
+
+def priority(a: float) -> float:
+    return 0.0 if a == 0 else (abs(a) + EPS) ** ALPHA
+
+
+def id_of(batch: tr.ReplayBatch) -> list[int]:
+    return batch.group_id.tolist()
+
+
+def check_drawn(model: Model, batch: tr.ReplayBatch, rows: torch.Tensor, at_version: int, wanted: int) -> None:
+    """Rows `rows` of `batch` were drawn from the buffer: caps, content, ages and weights."""
+    ids = [id_of(batch)[i] for i in rows.tolist()]
+    counts: dict[int, int] = {}
+    for rid in ids:
+        assert rid in model.live, f"rollout {rid} returned but not live"
+        counts[rid] = counts.get(rid, 0) + 1
+    for rid, c in counts.items():
+        assert c <= model.budget(rid, at_version), f"rollout {rid} drawn {c}x, budget {model.budget(rid, at_version)}"
+    if len(ids) < wanted:  # shorter only when nothing drawable is left
+        supply = sum(min(model.budget(r, at_version), wanted) for r in model.live)
+        assert supply < wanted, f"batch cut to {len(ids)} of {wanted} with {supply} draws available"
+    for i, rid in zip(rows.tolist(), ids):
+        x = model.live[rid]
+        n = len(x.tokens)
+        assert batch.tokens[i, :n].tolist() == x.tokens and int(batch.attention_mask[i].sum()) == n
+        assert int(batch.age[i]) == at_version - x.version
+        assert int(batch.reuse[i]) == x.reuse
+    if ids and BETA:
+        p = torch.tensor([priority(model.live[r].advantage) for r in ids], dtype=torch.float64)
+        expected = (p / p.min()) ** -BETA  # batch_max
+        torch.testing.assert_close(batch.weights[rows].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+def check_agrees(model: Model, buf: tr.RolloutBuffer) -> None:
+    t = buf.slots
+    live = t.live.nonzero().flatten()
+    assert len(buf) == len(model.live) == live.numel()
+    ids = t.group_id[live].tolist()
+    assert sorted(ids) == sorted(model.live)
+    for slot, rid in zip(live.tolist(), ids):
+        x = model.live[rid]
+        assert int(t.reuse[slot]) == x.reuse and int(t.policy_version[slot]) == x.version
+        assert float(t.advantage[slot]) == pytest.approx(x.advantage)
+    m = buf.metrics()
+    assert m["size"] == len(model.live) and m["policy_version"] == model.version == buf.version
+    for reason, n in model.evicted.items():
+        assert m[f"evicted_{reason}"] == n, reason
+    if model.live:
+        assert m["age_max"] == max(model.version - x.version for x in model.live.values())
+    assert len(buf.slots.free) + len(buf) == CAPACITY
+
+
+def fresh_batch(model: Model, n: int, version: int, zeros: int, seed: int) -> tuple[dict, list[int]]:
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(seed)).clamp(-2, 2)
+    adv[:zeros] = 0.0
+    batch = make_batch(n, version=version, seed=seed, advantage=adv)
+    ids = list(range(model.next_id, model.next_id + n))
+    batch["group_id"] = torch.tensor(ids)
+    return batch, ids
+
+
+def insert_into_model(model: Model, batch: dict, ids: list[int]) -> None:
+    model.next_id += len(ids)
+    model.insert(ids, int(batch["policy_version"]), batch["advantage"].tolist(),
+                 [t.tolist() for t in batch["tokens"]])
+
+
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 6), st.integers(-3, 3), st.integers(0, 6)),
+    st.tuples(st.just("compose"), st.integers(1, 5), st.integers(0, 2), st.integers(0, 8)),
+    st.tuples(st.just("sample"), st.integers(1, 10), st.booleans()),
+    st.tuples(st.just("update"), st.integers(0, 3)),
+    st.tuples(st.just("advance"), st.integers(0, 3)),
+    st.tuples(st.just("roundtrip"),),
+    st.tuples(st.just("spill_error"), st.booleans()),
+)
+
+
+@settings(max_examples=400 if SLOW else 25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(max_staleness=st.sampled_from([None, 0, 1, 2]), max_reuse=st.sampled_from([None, 1, 2, 3]),
+       ops=st.lists(OPS, min_size=1, max_size=60 if SLOW else 25))
+def test_random_call_sequences_keep_the_contract(max_staleness, max_reuse, ops):
+    def build(storage=None):
+        return tr.RolloutBuffer(CAPACITY, sampler=tr.PrioritizedSampler(alpha=ALPHA, beta=BETA, eps=EPS),
+                                max_staleness=max_staleness, max_reuse=max_reuse, seed=0,
+                                storage=storage or FlakyStorage())
+
+    buf = build()
+    model = Model(max_staleness, max_reuse)
+    gen = torch.Generator().manual_seed(1)
+    last_handles = None
+    for step, op in enumerate(ops):
+        kind = op[0]
+        if kind == "add":
+            _, n, delta, zeros = op
+            version = max(0, model.version + delta)
+            batch, ids = fresh_batch(model, n, version, zeros, seed=step)
+            floor = model.floor(max(model.version, version))
+            if floor is not None and version < floor:
+                with pytest.raises(SchemaError, match="staleness"):
+                    buf.add(batch)
+            else:
+                last_handles = buf.add(batch)
+                insert_into_model(model, batch, ids)
+        elif kind == "compose":
+            _, n, delta, n_replay = op
+            version = model.version + delta
+            batch, ids = fresh_batch(model, n, version, zeros=0, seed=step)
+            at = max(model.version, version)
+            out = buf.compose(batch, n_replay=n_replay, generator=gen)
+            replayed = (~out.is_fresh).nonzero().flatten()
+            assert bool(out.is_fresh[:n].all()) and out.weights[:n].tolist() == [1.0] * n
+            check_drawn(model, out, replayed, at, n_replay)
+            insert_into_model(model, batch, ids)
+            model.use(id_of(out))
+            last_handles = out.handles
+        elif kind == "sample":
+            _, b, truncate = op
+            if not model.live:
+                with pytest.raises(ValueError):
+                    buf.sample(b, generator=gen)
+                continue
+            supply = sum(min(model.budget(r, model.version), b) for r in model.live)
+            if supply < b and not truncate or supply == 0:
+                state = gen.get_state()
+                with pytest.raises(ValueError, match="cannot"):
+                    buf.sample(b, generator=gen, if_short="raise" if not truncate else "truncate")
+                assert torch.equal(gen.get_state(), state)
+            else:
+                out = buf.sample(b, generator=gen, if_short="truncate" if truncate else "raise")
+                check_drawn(model, out, torch.arange(len(out)), model.version, b)
+                model.use(id_of(out))
+                last_handles = out.handles
+        elif kind == "update" and last_handles is not None and len(last_handles):
+            new = torch.linspace(-1.0, 1.0, len(last_handles)) * op[1]  # op[1] == 0: every advantage 0
+            buf.update_priorities(last_handles, new)
+            # Last occurrence wins for repeated handles; stale handles are ignored.
+            for slot, gen_, a in zip(last_handles.slot.tolist(), last_handles.generation.tolist(), new.tolist()):
+                if bool(buf.slots.live[slot]) and int(buf.slots.generation[slot]) == gen_:
+                    model.live[int(buf.slots.group_id[slot])].advantage = a
+        elif kind == "advance":
+            buf.advance(model.version + op[1])
+            model.move_version(model.version + op[1])
+        elif kind == "roundtrip":
+            twin = build()
+            twin.load_state_dict(buf.state_dict())
+            buf.close()
+            buf = twin
+            last_handles = None
+        elif kind == "spill_error":
+            before = buf.state_dict()
+            buf.storage.fail_next = True
+            batch, _ = fresh_batch(model, 2, model.version + 1, zeros=0, seed=step)
+            with pytest.raises(StorageError):
+                if op[1]:
+                    buf.compose(batch, n_replay=2, generator=gen)
+                else:
+                    buf.add(batch)
+            after = buf.state_dict()
+            for key in ("table", "free", "version", "count", "next_seq", "counters"):
+                a, b = before[key], after[key]
+                if isinstance(a, dict):
+                    assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+                else:
+                    assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, key
+            # The sampler's tree too: the spill error came before anything was committed.
+            assert torch.equal(before["sampler"]["tree"]["priorities"], after["sampler"]["tree"]["priorities"])
+        check_agrees(model, buf)
+    buf.close()
