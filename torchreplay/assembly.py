@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from torchreplay._ops import ops
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch
 from torchreplay.slots import TABLE_FIELDS, SlotTable
-from torchreplay.storage import TieredStorage
+from torchreplay.storage import CorruptRows, TieredStorage
 from torchreplay.storage.tiered import ranges, row_base
 
 
@@ -98,6 +99,33 @@ class Plan:
     device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
     ready: Any = None  # CUDA event recorded after a device batch's last kernel (see PendingBatch)
 
+
+
+class PendingBatch:
+    """A batch being paged in. `result()` waits for it; if its rollouts turned out unreadable,
+    `redraw(error)` runs on the owner's thread (the buffer evicts them and draws again, or raises)."""
+
+    def __init__(self, future: Future, device, plan: Plan, redraw: Callable[[CorruptRows], ReplayBatch]) -> None:
+        self._future, self._device, self._plan, self._redraw = future, device, plan, redraw
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> ReplayBatch:
+        try:
+            batch = self._future.result()
+        except CorruptRows as exc:
+            return self._redraw(exc)
+        ready = self._plan.ready
+        if ready is not None:
+            # The batch was put together on the prefetch thread's stream: the caller's stream waits
+            # for it, and its memory is not reused while the caller's kernels may still read it.
+            stream = torch.cuda.current_stream(self._plan.device)
+            stream.wait_event(ready)
+            for t in batch.data.values():
+                if t.is_cuda:
+                    t.record_stream(stream)
+        return batch if self._device is None else batch.to(self._device)
 
 
 def effective_sample_size(weights: torch.Tensor) -> float:

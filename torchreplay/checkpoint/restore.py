@@ -228,8 +228,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
             if slots.numel():
                 added = buffer.add(batch)
                 if keep_reuse:
-                    buffer.slots.reuse[added.slot] = table["reuse"][slots]
-                    buffer._evict_overused(added.slot)
+                    buffer.carry_reuse(added, table["reuse"][slots])
                 handles.append(added)
     finally:
         for path in paths.values():

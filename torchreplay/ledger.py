@@ -1,0 +1,260 @@
+"""Ledger: which rollouts are live, and the caps that decide it.
+
+The ledger owns the SlotTable and keeps the sampler in step with it. It enforces the contract's
+hard caps where they arise: the staleness cap whenever the version moves, the reuse cap inside
+every draw (per-slot budgets) and after every use, capacity eviction oldest-first. Its insert is
+all-or-nothing: victims are chosen first (pure queries), then the table and the sampler change,
+and a hook that raises gets every change undone. It knows nothing of bytes: the buffer hands it
+shard ids and is told which shard rows died, to release them once a call has committed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from torchreplay.errors import SchemaError
+from torchreplay.samplers import Sampler
+from torchreplay.slots import SlotTable
+
+EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
+SHORT_POLICIES = ("raise", "truncate")
+MAX_VERSION = 2**62
+
+Released = list[tuple[int, int]]  # (shard id, rows that died)
+
+
+def check_cap(name: str, value: int | None) -> int | None:
+    """max_staleness (>= 0) and max_reuse (>= 1), or None for no cap."""
+    lowest = 1 if name == "max_reuse" else 0
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
+        raise ValueError(f"{name} must be None or an int >= {lowest}, got {value!r}")
+    return value
+
+
+def check_short(if_short: str) -> None:
+    if if_short not in SHORT_POLICIES:
+        raise ValueError(f"if_short must be one of {SHORT_POLICIES}, got {if_short!r}")
+
+
+def replay_count(n_fresh: int, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None) -> int:
+    """How many replayed rows `compose` asks for: `n_replay` exactly, or `replay_ratio` of the whole
+    batch, rounded so that the whole batch is a multiple of `multiple_of`."""
+    if multiple_of is not None and (isinstance(multiple_of, bool) or not isinstance(multiple_of, int)
+                                    or multiple_of < 1):
+        raise ValueError(f"multiple_of must be None or an int >= 1, got {multiple_of!r}")
+    if (replay_ratio is None) == (n_replay is None):
+        raise ValueError("compose needs exactly one of replay_ratio and n_replay")
+    if n_replay is not None:
+        if isinstance(n_replay, bool) or not isinstance(n_replay, int) or n_replay < 0:
+            raise ValueError(f"n_replay must be an int >= 0, got {n_replay!r}")
+        if multiple_of is not None and (n_fresh + n_replay) % multiple_of:
+            raise ValueError(f"n_replay: {n_fresh} fresh + {n_replay} replayed is not a multiple of {multiple_of}")
+        return n_replay
+    if isinstance(replay_ratio, bool) or not isinstance(replay_ratio, (int, float)) or not 0 <= replay_ratio < 1:
+        raise ValueError(f"replay_ratio must be a number in [0, 1), got {replay_ratio!r}")
+    count = round(n_fresh * replay_ratio / (1 - replay_ratio))
+    if multiple_of is not None:
+        total = max(multiple_of, round((n_fresh + count) / multiple_of) * multiple_of)
+        while total < n_fresh:
+            total += multiple_of
+        count = total - n_fresh
+    return count
+
+
+class Ledger:
+    """Live rollouts, their caps and the sampler's view of them (see the module docstring)."""
+
+    def __init__(self, capacity: int, sampler: Sampler, max_staleness: int | None, max_reuse: int | None) -> None:
+        self.capacity = capacity
+        self.sampler = sampler
+        self.max_staleness = max_staleness
+        self.max_reuse = max_reuse
+        self.slots = SlotTable(capacity, track_versions=max_staleness is not None)
+        self.counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
+        self.counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
+        self.sampler.bind(self.slots)
+        self.sampler.on_advance(self.slots.version)
+
+    @property
+    def version(self) -> int:
+        return self.slots.version
+
+    # -- the caps (pure) ------------------------------------------------------------------------
+    def stale(self, version: int) -> torch.Tensor:
+        """Live slots past the staleness cap at `version` (age = version - policy_version)."""
+        if self.max_staleness is None:
+            return torch.empty(0, dtype=torch.int64)
+        return self.slots.older_than(version - self.max_staleness)
+
+    def remaining(self, excluded: torch.Tensor) -> torch.Tensor | None:
+        """Per slot, how many more times it may be returned (None: no limit anywhere)."""
+        if self.max_reuse is None and excluded.numel() == 0:
+            return None
+        t = self.slots
+        if self.max_reuse is None:
+            remaining = torch.full((self.capacity,), MAX_VERSION, dtype=torch.int64)
+        else:
+            remaining = (self.max_reuse - t.reuse).clamp(min=0)
+        remaining[~t.live] = 0
+        remaining[excluded] = 0
+        return remaining
+
+    def draw(self, n: int, generator: torch.Generator, excluded: torch.Tensor, if_short: str,
+             n_fresh: int = 0, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to n slots within every cap; all-or-nothing on the generator. A short draw raises
+        with if_short='raise', else is cut so that n_fresh + its length stays a multiple of `multiple`."""
+        state = generator.get_state()
+        try:
+            slots, weights = self.sampler.sample(n, generator, self.remaining(excluded))
+            if slots.numel() < n:
+                if if_short == "raise":
+                    raise ValueError(
+                        f"cannot fill a batch of {n}: only {slots.numel()} draws fit the caps (live rollouts "
+                        f"{self.slots.count}, non-zero priority and reuse budget left); pass if_short='truncate' "
+                        "for a shorter batch")
+                keep = max(0, slots.numel() - (n_fresh + slots.numel()) % multiple)
+                slots, weights = slots[:keep], weights[:keep]
+        except BaseException:
+            generator.set_state(state)
+            raise
+        return slots, weights
+
+    # -- changes --------------------------------------------------------------------------------
+    def insert(self, meta: Mapping[str, torch.Tensor], n: int, shard: int, overflow_ok: bool) -> tuple[torch.Tensor, Released]:
+        """Make n new rollouts live (rows 0..n-1 of `shard`), moving the version to their newest
+        and evicting what that makes stale, then the oldest if room is short. Returns their slots
+        and the shard rows that died. Raises (having changed nothing) if a sampler hook fails."""
+        t = self.slots
+        version = max(t.version, int(meta["policy_version"].max()))
+        stale = self.stale(version)
+        short = n - len(t.free) - stale.numel()
+        crowded = torch.empty(0, dtype=torch.int64)
+        if short > 0:
+            if not overflow_ok:
+                raise SchemaError(f"buffer full: {n} rollouts to add, {len(t.free)} free slots (overflow='raise')")
+            oldest = t.oldest(short + stale.numel())
+            crowded = oldest[~torch.isin(oldest, stale)][:short]
+        victims = torch.cat([stale, crowded])
+        undo = (t.snapshot_rows(victims), list(t.free), t.count, t.next_seq, t.version)
+        slots = taken_rows = None
+        try:
+            released = self._kill(victims)
+            self.set_version(version)
+            slots = t.take(n)
+            taken_rows = t.snapshot_rows(slots)
+            t.insert(slots, meta, shard)
+            self.sampler.on_insert(slots)
+        except BaseException:
+            self._undo_insert(victims, slots, taken_rows, undo)
+            raise
+        self.counters["evicted_staleness"] += stale.numel()
+        self.counters["evicted_capacity"] += crowded.numel()
+        self.counters["added"] += n
+        return slots, released
+
+    def _undo_insert(self, victims: torch.Tensor, slots: torch.Tensor | None, taken_rows, undo) -> None:
+        t = self.slots
+        victim_rows, free, count, next_seq, version = undo
+        if slots is not None:
+            self.sampler.on_remove(slots)
+            t.restore_rows(slots, taken_rows)
+        t.restore_rows(victims, victim_rows)
+        t.free, t.count, t.next_seq = free, count, next_seq
+        t.compact()
+        self.set_version(version)
+        if victims.numel():
+            self.sampler.on_insert(victims)
+
+    def _kill(self, slots: torch.Tensor) -> Released:
+        if slots.numel() == 0:
+            return []
+        self.sampler.on_remove(slots)
+        return self.slots.kill(slots)
+
+    def evict(self, slots: torch.Tensor, reason: str) -> Released:
+        """Evict now, for the commit step of a call (after everything that can fail)."""
+        if slots.numel() == 0:
+            return []
+        self.counters[f"evicted_{reason}"] += slots.numel()
+        return self._kill(slots)
+
+    def set_version(self, version: int) -> None:
+        if version != self.slots.version:
+            self.slots.version = version
+            self.sampler.on_advance(version)
+
+    def advance(self, version: int) -> tuple[int, Released]:
+        """Move the version forward and evict what it makes stale; returns (evicted, released)."""
+        stale = self.stale(version)
+        released = self.evict(stale, "staleness")
+        self.set_version(version)
+        if self.max_staleness is not None:
+            self.slots.drop_versions_below(version - self.max_staleness)
+        return stale.numel(), released
+
+    def record_use(self, slots: torch.Tensor) -> Released:
+        """One use per occurrence; evict what reached max_reuse."""
+        self.slots.reuse.index_put_((slots,), torch.ones_like(slots), accumulate=True)
+        if self.max_reuse is None or slots.numel() == 0:
+            return []
+        unique = torch.unique(slots)
+        return self.evict(unique[(self.slots.reuse[unique] >= self.max_reuse) & self.slots.live[unique]], "reuse")
+
+    def carry_reuse(self, slots: torch.Tensor, reuse: torch.Tensor) -> Released:
+        """Set use counts carried over from another run; evict what is already at max_reuse."""
+        self.slots.reuse[slots] = reuse
+        if self.max_reuse is None:
+            return []
+        return self.evict(slots[(reuse >= self.max_reuse) & self.slots.live[slots]], "reuse")
+
+    def set_advantages(self, slot: torch.Tensor, generation: torch.Tensor, advantages: torch.Tensor) -> int:
+        """New advantages for the (slot, generation) pairs still live; the rest are counted as stale
+        handles. All-or-nothing: if the sampler rejects a priority, every advantage stays."""
+        t = self.slots
+        current = t.live[slot] & (t.generation[slot] == generation)
+        slot, advantages = slot[current], advantages[current]
+        if slot.numel():
+            changed = torch.unique(slot)
+            old = t.advantage[changed].clone()
+            t.advantage[slot] = advantages  # last occurrence wins for repeated handles
+            try:
+                self.sampler.on_priority(changed)
+            except BaseException:
+                t.advantage[changed] = old
+                raise
+        self.counters["stale_handle_updates"] += int((~current).sum())
+        return int(current.sum())
+
+    def adopt(self, table: SlotTable) -> None:
+        """Replace the table (a validated, loaded one); the sampler state is loaded by the caller."""
+        self.slots = table
+        self.sampler.bind(table)
+
+    # -- metrics --------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        t = self.slots
+        ages = t.ages(t.live)
+        reuse = t.reuse[t.live]
+        out: dict[str, float] = {
+            "size": t.count,
+            "capacity": self.capacity,
+            "policy_version": t.version,
+            "age_mean": float(ages.double().mean()) if ages.numel() else 0.0,
+            "age_max": int(ages.max()) if ages.numel() else 0,
+            "reuse_mean": float(reuse.double().mean()) if reuse.numel() else 0.0,
+        }
+        for name, values, bins in (("age", ages, ((0, 0), (1, 1), (2, 3), (4, 7), (8, None))),
+                                   ("reuse", reuse, ((0, 0), (1, 1), (2, 3), (4, None)))):
+            for lo, hi in bins:
+                key = f"{name}_hist_{lo}" if lo == hi else (f"{name}_hist_{lo}_{hi}" if hi else f"{name}_hist_{lo}_plus")
+                sel = (values >= lo) if hi is None else ((values >= lo) & (values <= hi))
+                out[key] = int(sel.sum())
+        out.update(self.counters)
+        return out
+
+
+def nan_if_empty(weights: torch.Tensor | None) -> float:
+    return float(weights.double().mean()) if weights is not None and weights.numel() else math.nan
