@@ -318,3 +318,22 @@ def test_compose_short_batches_keep_the_multiple_or_raise():
         buf.compose(make_batch(4, version=1, seed=1))
     with pytest.raises(ValueError, match="exactly one"):
         buf.compose(make_batch(4, version=1, seed=1), replay_ratio=0.5, n_replay=2)
+
+
+@pytest.mark.cuda
+def test_capped_draws_on_cuda_match_the_cpu():
+    """The budgeted draw (set-aside leaves, stratified redraws) on a CUDA tree gives the CPU's batch."""
+    def build():
+        buf = tr.RolloutBuffer(64, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.4), max_reuse=2, seed=0)
+        adv = torch.full((24,), 0.2)
+        adv[3] = 30.0
+        buf.add(make_batch(24, seed=5, advantage=adv))
+        return buf
+
+    cpu, gpu = build(), build().to("cuda")
+    for seed in range(3):
+        a = cpu.sample(20, generator=torch.Generator().manual_seed(seed), if_short="truncate")
+        b = gpu.sample(20, device="cuda", generator=torch.Generator().manual_seed(seed), if_short="truncate")
+        assert torch.equal(a.handles.slot, b.handles.slot)
+        torch.testing.assert_close(a.weights, b.weights.cpu())
+        assert int(torch.bincount(a.handles.slot).max()) <= 2

@@ -8,8 +8,8 @@ and pinned, immutable shards, so it may run on a prefetch thread.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -155,6 +155,17 @@ class BatchAssembler:
         self.pad_token_id = pad_token_id
         self._arenas: dict[str, torch.Tensor] = {}
         self._prefetch_stream = None
+
+    def home_for(self, device: torch.device | str | None) -> torch.device | None:
+        """The storage's device if a batch bound for `device` should be put together there (device
+        tier copies and staged cold reads land there); None to assemble in host memory."""
+        home = self.storage.device
+        if device is None or home is None:
+            return None
+        wanted = torch.device(device)
+        if wanted.type == "cuda" and wanted.index is None:
+            wanted = torch.device("cuda", torch.cuda.current_device())
+        return home if wanted == home else None
 
     def plan(self, table: SlotTable, slots: torch.Tensor, weights: torch.Tensor, is_fresh: torch.Tensor,
              version: int, device: torch.device | None = None, reuse_output: bool = False) -> Plan:

@@ -8,15 +8,15 @@ leaves the buffer as it was.
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat, effective_sample_size, subset
-from torchreplay.errors import SchemaError, StorageError
-from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, nan_if_empty, replay_count
+from torchreplay import snapshot
+from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat, subset
+from torchreplay.errors import StorageError
+from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
 from torchreplay.samplers import PrioritizedSampler, Sampler
 from torchreplay.schema import FieldSpec, PackedBatch, default_fields, validate_batch
 from torchreplay.slots import TABLE_FIELDS, SlotTable
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from torchreplay.checkpoint import Checkpointer
 
 __all__ = ["RolloutBuffer", "PendingBatch", "Handles", "ReplayBatch"]
-
-_STATE_VERSION = 1
 
 
 class RolloutBuffer:
@@ -106,7 +104,6 @@ class RolloutBuffer:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._last_ess = self._last_replay_weight_mean = math.nan
         self.checkpointer = None
         if checkpoint is not None:
             from torchreplay.checkpoint import Checkpointer
@@ -159,27 +156,9 @@ class RolloutBuffer:
         Nothing changes unless the whole call succeeds.
         """
         packed = validate_batch(batch, self.fields)
-        self._check_admissible(packed)
+        self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self._tick()
         return self._insert(packed)
-
-    def _check_admissible(self, packed: PackedBatch) -> None:
-        if packed.n > self.capacity:
-            raise SchemaError(f"batch of {packed.n} rollouts exceeds the buffer capacity {self.capacity}")
-        if self.overflow == "raise" and packed.n > len(self.slots.free):
-            raise SchemaError(
-                f"buffer full: {packed.n} rollouts to add, {len(self.slots.free)} free slots (overflow='raise')")
-        versions = packed.rollout["policy_version"]
-        if int(versions.max()) >= MAX_VERSION or int(versions.min()) < 0:
-            raise SchemaError(f"field 'policy_version': versions must lie in [0, 2**62), got {versions.tolist()}")
-        if self.max_staleness is not None:
-            floor = max(self.version, int(versions.max())) - self.max_staleness
-            stale = versions < floor
-            if bool(stale.any()):
-                i = int(stale.nonzero()[0, 0])
-                raise SchemaError(
-                    f"field 'policy_version', rollout {i}: version {int(versions[i])} is older than the "
-                    f"staleness cap allows (current {self.version}, max_staleness {self.max_staleness})")
 
     def _insert(self, packed: PackedBatch) -> Handles:
         """Store `packed`: write its shard first (the step that can fail on I/O), then commit it
@@ -271,7 +250,7 @@ class RolloutBuffer:
         if slots.numel() == 0:
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
         plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
-                                   self.version, self._assembly_device(device), _reuse)
+                                   self.version, self.assembler.home_for(device), _reuse)
         self.ledger.counters["sampled_replay"] += slots.numel()
         self.ledger.counters["sample_calls"] += 1
         self._record_use(slots, weights, weights)
@@ -302,16 +281,10 @@ class RolloutBuffer:
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise TypeError("slots must be a 1-D int64 tensor")
         slots = slots.cpu()
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
-            raise ValueError(f"slots outside [0, {self.capacity})")
-        if not bool(self.slots.live[slots].all()):
-            raise ValueError("slots must name live rollouts")
-        if count_use and self.max_reuse is not None and slots.numel():
-            if bool((torch.bincount(slots, minlength=self.capacity) > self.max_reuse - self.slots.reuse).any()):
-                raise ValueError(f"slots name a rollout more often than its reuse budget (max_reuse {self.max_reuse})")
+        self.ledger.check_uses(slots if count_use else torch.unique(slots))
         n = slots.numel()
         plan = self.assembler.plan(self.slots, slots, torch.ones(n) if weights is None else weights,
-                                   torch.zeros(n, dtype=torch.bool), self.version, self._assembly_device(device))
+                                   torch.zeros(n, dtype=torch.bool), self.version, self.assembler.home_for(device))
         try:
             batch = self.assembler.materialize(plan)
         except CorruptRows as exc:
@@ -350,7 +323,7 @@ class RolloutBuffer:
         check_short(if_short)
         packed = validate_batch(fresh, self.fields)
         count = replay_count(packed.n, replay_ratio, n_replay, multiple_of)
-        self._check_admissible(packed)
+        self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self._tick()
         generator = generator if generator is not None else self.generator
         version = max(self.version, int(packed.rollout["policy_version"].max()))
@@ -412,21 +385,8 @@ class RolloutBuffer:
     def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None,
                     replay_weights: torch.Tensor | None) -> None:
         """Count the uses (evicting what reached max_reuse) and note the returned batch's weights."""
-        if weights is not None and weights.numel():
-            self._last_ess = effective_sample_size(weights)
-        self._last_replay_weight_mean = nan_if_empty(replay_weights)
+        self.ledger.note_weights(weights, replay_weights)
         self._release(self.ledger.record_use(slots))
-
-    def _assembly_device(self, device: torch.device | str | None) -> torch.device | None:
-        """The storage's device if a batch bound for `device` should be put together there (device
-        tier copies and staged cold reads land there); None to assemble in host memory."""
-        home = self.storage.device
-        if device is None or home is None:
-            return None
-        wanted = torch.device(device)
-        if wanted.type == "cuda" and wanted.index is None:
-            wanted = torch.device("cuda", torch.cuda.current_device())
-        return home if wanted == home else None
 
     # -------------------------------------------------------------------------------- priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:
@@ -435,19 +395,7 @@ class RolloutBuffer:
         All-or-nothing: a priority the sampler rejects (an overflow) leaves every advantage as it was."""
         if not isinstance(handles, Handles):
             raise TypeError(f"handles must be Handles (from add/sample), got {type(handles).__name__}")
-        if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
-            raise TypeError("advantages must be a floating-point tensor")
-        advantages = advantages.detach().cpu().to(torch.float32).reshape(-1)
-        if advantages.numel() != len(handles):
-            raise ValueError(f"advantages has {advantages.numel()} values for {len(handles)} handles")
-        bad = ~torch.isfinite(advantages)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"advantages[{i}] must be finite, got {float(advantages[i])}")
-        slot = handles.slot.cpu()
-        if slot.numel() and (int(slot.min()) < 0 or int(slot.max()) >= self.capacity):
-            raise ValueError(f"handles.slot outside [0, {self.capacity})")
-        return self.ledger.set_advantages(slot, handles.generation.cpu(), advantages)
+        return self.ledger.set_advantages(handles.slot, handles.generation, advantages)
 
     def carry_reuse(self, handles: Handles, reuse: torch.Tensor) -> None:
         """Set use counts carried over from another run (`import_checkpoint(keep_reuse=True)`);
@@ -459,100 +407,29 @@ class RolloutBuffer:
         the effective sample size of the last returned batch's IS weights (fraction of the batch),
         the mean IS weight of its replayed rows, evictions by reason, stale-handle updates, sampled
         fresh/replay counts, storage figures."""
-        return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), "ess_fraction": self._last_ess,
-                "replay_weight_mean": self._last_replay_weight_mean, **self.storage.metrics()}
+        return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), **self.storage.metrics()}
 
     # ------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
-        chunks = {}
-        for sid, live in zip(*self._live_shards()):
-            b = self.storage.read_shard(sid)
-            chunks[str(sid)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
-                                "live_rows": live}
-        return {**self._metadata_state(), "chunks": chunks}
-
-    def _metadata_state(self) -> dict[str, Any]:
-        """All state except rollout payloads: what a checkpoint snapshots on the trainer thread."""
-        return {"format_version": _STATE_VERSION, "config": self._config(), **self.slots.state(),
-                "counters": dict(self.ledger.counters), "last_ess": self._last_ess,
-                "last_replay_weight_mean": self._last_replay_weight_mean,
-                "rng": self.generator.get_state(), "sampler": self.sampler.state_dict()}
-
-    def _live_shards(self) -> tuple[list[int], list[int]]:
-        ids, rows = torch.unique(self.slots.chunk[self.slots.live], return_counts=True)
-        return ids.tolist(), rows.tolist()
-
-    def _config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, Any]:
+        """The arguments that shape this buffer's behaviour, as plain values (checkpoints record it)."""
         return {"capacity": self.capacity, "max_staleness": self.max_staleness, "max_reuse": self.max_reuse,
                 "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
                 **self._schema_args}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
+        return snapshot.full_state(self)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`. Validates everything before changing anything."""
-        if not isinstance(state, Mapping) or not isinstance(state.get("chunks"), Mapping):
-            raise TypeError("state must be a mapping from state_dict() (with 'chunks')")
-        sizes = {}
-        for cid, c in state["chunks"].items():
-            offsets = c.get("offsets") if isinstance(c, Mapping) else None
-            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
-                raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
-            if not str(cid).isdigit():
-                raise ValueError(f"state chunk id {cid!r} is not a non-negative integer")
-            sizes[int(cid)] = offsets.numel() - 1
+        sizes = snapshot.chunk_sizes(state)
+        self.load_state(state, sizes, lambda cid: self._put_shard(snapshot.chunk_batch(state, cid, sizes[cid])))
 
-        def store_chunk(cid: int) -> int:
-            c = state["chunks"][str(cid)]
-            return self._put_shard(PackedBatch(n=sizes[cid], offsets=c["offsets"], token=dict(c["token"]),
-                                               rollout=dict(c["rollout"])))
-
-        self._load(state, sizes, store_chunk)
-
-    def _load(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
-        """Validate `state` against this buffer and the stored chunks' row counts, then adopt it.
-        `store_chunk(old id) -> new shard id` brings one chunk into storage."""
-        if state.get("format_version") != _STATE_VERSION:
-            raise ValueError(f"state format_version {state.get('format_version')!r} != {_STATE_VERSION}")
-        if state.get("config") != self._config():
-            raise ValueError(f"state config {state.get('config')} does not match this buffer {self._config()}")
-        table = SlotTable.from_state(self.capacity, self.max_staleness is not None, state)
-        live_chunks = table.chunk[table.live]
-        if not set(live_chunks.tolist()) <= set(chunk_rows):
-            raise ValueError("state: a live slot names a chunk that is not stored")
-        for cid, n in chunk_rows.items():
-            rows_used = table.row[table.live][live_chunks == cid]
-            if rows_used.numel() and (int(rows_used.min()) < 0 or int(rows_used.max()) >= n):
-                raise ValueError(f"state chunk {cid}: a live slot names a row outside its {n} rows")
-        rng, counters = state.get("rng"), state.get("counters")
-        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
-            raise ValueError("state 'rng' must be a uint8 generator state tensor")
-        if not isinstance(counters, Mapping) or set(counters) != set(self.ledger.counters):
-            raise ValueError(f"state 'counters' must have the keys {sorted(self.ledger.counters)}")
-        old_table, old_sampler, old_rng = self.slots, self.sampler.state_dict(), self.generator.get_state()
-        try:
-            self.ledger.adopt(table)
-            self.sampler.load_state_dict(state["sampler"])
-            self.generator.set_state(rng)
-        except Exception:
-            self.ledger.adopt(old_table)
-            self.sampler.load_state_dict(old_sampler)
-            self.generator.set_state(old_rng)
-            raise
-        # Committed: release what the buffer held, then store the chunks under new shard ids.
-        for sid, count in zip(*torch.unique(old_table.chunk[old_table.live], return_counts=True)):
-            self._release_shard(int(sid), int(count))
-        remap: dict[int, int] = {}
-        live_per_chunk = dict(zip(*(x.tolist() for x in torch.unique(live_chunks, return_counts=True))))
-        for cid in sorted(live_per_chunk):
-            remap[cid] = store_chunk(cid)
-            if chunk_rows[cid] > live_per_chunk[cid]:
-                self._release_shard(remap[cid], chunk_rows[cid] - live_per_chunk[cid])
-        live_slots = table.live_slots()
-        table.chunk[live_slots] = torch.tensor([remap[c] for c in table.chunk[live_slots].tolist()], dtype=torch.int64)
-        self.ledger.counters = dict(counters)
-        self._last_ess = float(state.get("last_ess", math.nan))
-        self._last_replay_weight_mean = float(state.get("last_replay_weight_mean", math.nan))
-        self._release(self.ledger.advance(table.version)[1])  # a state past the cap loses those rollouts now
+    def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
+        """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
+        gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
+        self._release(snapshot.adopt(self, state, chunk_rows, store_chunk))
+        self._release(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
 
     # -------------------------------------------------------------------------------- durability
     def _put_shard(self, batch: PackedBatch) -> int:

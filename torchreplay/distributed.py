@@ -90,6 +90,7 @@ from torchreplay.assembly import padding_mask
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import ObjectStore
+from torchreplay import snapshot
 from torchreplay.errors import CheckpointError, ReplayError
 from torchreplay.schema import ROLLOUT, TOKEN
 
@@ -361,7 +362,7 @@ class DistributedRolloutBuffer:
         buffer = self.buffer
         buffer.checkpointer = ckpt
         ckpt.attach(buffer)
-        for sid in buffer._live_shards()[0]:
+        for sid in snapshot.live_shards(buffer.slots)[0]:
             ckpt.shard_sealed(sid)
 
     # ------------------------------------------------------------------------------ plumbing

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from torchreplay.assembly import effective_sample_size
 from torchreplay.errors import SchemaError
 from torchreplay.samplers import Sampler
 from torchreplay.slots import SlotTable
@@ -77,6 +78,7 @@ class Ledger:
         self.counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
         self.sampler.bind(self.slots)
         self.sampler.on_advance(self.slots.version)
+        self.last_ess = self.last_replay_weight_mean = math.nan
 
     @property
     def version(self) -> int:
@@ -203,6 +205,16 @@ class Ledger:
         unique = torch.unique(slots)
         return self.evict(unique[(self.slots.reuse[unique] >= self.max_reuse) & self.slots.live[unique]], "reuse")
 
+    def check_uses(self, slots: torch.Tensor) -> None:
+        """ValueError unless every slot is live and named no more often than its reuse budget."""
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
+            raise ValueError(f"slots outside [0, {self.capacity})")
+        if not bool(self.slots.live[slots].all()):
+            raise ValueError("slots must name live rollouts")
+        if self.max_reuse is not None and slots.numel():
+            if bool((torch.bincount(slots, minlength=self.capacity) > self.max_reuse - self.slots.reuse).any()):
+                raise ValueError(f"slots name a rollout more often than its reuse budget (max_reuse {self.max_reuse})")
+
     def carry_reuse(self, slots: torch.Tensor, reuse: torch.Tensor) -> Released:
         """Set use counts carried over from another run; evict what is already at max_reuse."""
         self.slots.reuse[slots] = reuse
@@ -210,9 +222,38 @@ class Ledger:
             return []
         return self.evict(slots[(reuse >= self.max_reuse) & self.slots.live[slots]], "reuse")
 
+    def check_admissible(self, versions: torch.Tensor, overflow_raises: bool) -> None:
+        """SchemaError unless a batch of rollouts at `versions` may be inserted now."""
+        n = versions.numel()
+        if n > self.capacity:
+            raise SchemaError(f"batch of {n} rollouts exceeds the buffer capacity {self.capacity}")
+        if overflow_raises and n > len(self.slots.free):
+            raise SchemaError(f"buffer full: {n} rollouts to add, {len(self.slots.free)} free slots (overflow='raise')")
+        if int(versions.max()) >= MAX_VERSION or int(versions.min()) < 0:
+            raise SchemaError(f"field 'policy_version': versions must lie in [0, 2**62), got {versions.tolist()}")
+        if self.max_staleness is not None:
+            stale = versions < max(self.version, int(versions.max())) - self.max_staleness
+            if bool(stale.any()):
+                i = int(stale.nonzero()[0, 0])
+                raise SchemaError(
+                    f"field 'policy_version', rollout {i}: version {int(versions[i])} is older than the "
+                    f"staleness cap allows (current {self.version}, max_staleness {self.max_staleness})")
+
     def set_advantages(self, slot: torch.Tensor, generation: torch.Tensor, advantages: torch.Tensor) -> int:
         """New advantages for the (slot, generation) pairs still live; the rest are counted as stale
         handles. All-or-nothing: if the sampler rejects a priority, every advantage stays."""
+        if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
+            raise TypeError("advantages must be a floating-point tensor")
+        advantages = advantages.detach().cpu().to(torch.float32).reshape(-1)
+        slot, generation = slot.cpu(), generation.cpu()
+        if advantages.numel() != slot.numel():
+            raise ValueError(f"advantages has {advantages.numel()} values for {slot.numel()} handles")
+        bad = ~torch.isfinite(advantages)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"advantages[{i}] must be finite, got {float(advantages[i])}")
+        if slot.numel() and (int(slot.min()) < 0 or int(slot.max()) >= self.capacity):
+            raise ValueError(f"handles.slot outside [0, {self.capacity})")
         t = self.slots
         current = t.live[slot] & (t.generation[slot] == generation)
         slot, advantages = slot[current], advantages[current]
@@ -228,10 +269,45 @@ class Ledger:
         self.counters["stale_handle_updates"] += int((~current).sum())
         return int(current.sum())
 
-    def adopt(self, table: SlotTable) -> None:
-        """Replace the table (a validated, loaded one); the sampler state is loaded by the caller."""
+    def note_weights(self, weights: torch.Tensor | None, replay_weights: torch.Tensor | None) -> None:
+        """The IS weights of the batch just returned (all rows) and of its replayed rows."""
+        if weights is not None and weights.numel():
+            self.last_ess = effective_sample_size(weights)
+        self.last_replay_weight_mean = float(replay_weights.double().mean()) \
+            if replay_weights is not None and replay_weights.numel() else math.nan
+
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {**self.slots.state(), "counters": dict(self.counters), "last_ess": self.last_ess,
+                "last_replay_weight_mean": self.last_replay_weight_mean, "sampler": self.sampler.state_dict()}
+
+    def check_state(self, state: Mapping) -> SlotTable:
+        """Validate `state` (from `state()`) without changing anything; returns its table."""
+        table = SlotTable.from_state(self.capacity, self.max_staleness is not None, state)
+        counters = state.get("counters")
+        if not isinstance(counters, Mapping) or set(counters) != set(self.counters):
+            raise ValueError(f"state 'counters' must have the keys {sorted(self.counters)}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counters.values()):
+            raise ValueError("state 'counters' must hold numbers")
+        return table
+
+    def adopt(self, table: SlotTable, state: Mapping) -> SlotTable:
+        """Take `state` (checked by `check_state`, its table given): the sampler's state is loaded
+        into a sampler bound to the new table, or everything is put back. Returns the old table."""
+        old_table, old_sampler = self.slots, self.sampler.state_dict()
         self.slots = table
-        self.sampler.bind(table)
+        try:
+            self.sampler.bind(table)
+            self.sampler.load_state_dict(state["sampler"])
+        except Exception:
+            self.slots = old_table
+            self.sampler.bind(old_table)
+            self.sampler.load_state_dict(old_sampler)
+            raise
+        self.counters = dict(state["counters"])
+        self.last_ess = float(state.get("last_ess", math.nan))
+        self.last_replay_weight_mean = float(state.get("last_replay_weight_mean", math.nan))
+        return old_table
 
     # -- metrics --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -245,6 +321,8 @@ class Ledger:
             "age_mean": float(ages.double().mean()) if ages.numel() else 0.0,
             "age_max": int(ages.max()) if ages.numel() else 0,
             "reuse_mean": float(reuse.double().mean()) if reuse.numel() else 0.0,
+            "ess_fraction": self.last_ess,
+            "replay_weight_mean": self.last_replay_weight_mean,
         }
         for name, values, bins in (("age", ages, ((0, 0), (1, 1), (2, 3), (4, 7), (8, None))),
                                    ("reuse", reuse, ((0, 0), (1, 1), (2, 3), (4, None)))):
@@ -255,6 +333,3 @@ class Ledger:
         out.update(self.counters)
         return out
 
-
-def nan_if_empty(weights: torch.Tensor | None) -> float:
-    return float(weights.double().mean()) if weights is not None and weights.numel() else math.nan

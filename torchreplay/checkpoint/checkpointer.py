@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.store import ObjectStore, open_store
+from torchreplay import snapshot
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
@@ -162,8 +163,8 @@ class Checkpointer:
         """Snapshot the buffer's metadata and publish a manifest; with `wait`, return when durable."""
         self.check()
         buffer = self.buffer
-        state = buffer._metadata_state()
-        live_ids, live_rows = buffer._live_shards()
+        state = snapshot.metadata_state(buffer)
+        live_ids, live_rows = snapshot.live_shards(buffer.slots)
         with self._keys_lock:
             keys = {sid: self._keys[sid] for sid in live_ids}
         job = _Publish(self._sequence, state, keys,

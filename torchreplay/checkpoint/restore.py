@@ -165,7 +165,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
         return new_ids[cid]
 
     try:
-        buffer._load(state, rows, store_chunk)
+        buffer.load_state(state, rows, store_chunk)
     except (ValueError, TypeError, KeyError, StorageError) as exc:
         raise CheckpointError(f"checkpoint {uri} failed validation: {exc}") from exc
     if checkpoint:
