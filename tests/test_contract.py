@@ -337,3 +337,31 @@ def test_capped_draws_on_cuda_match_the_cpu():
         assert torch.equal(a.handles.slot, b.handles.slot)
         torch.testing.assert_close(a.weights, b.weights.cpu())
         assert int(torch.bincount(a.handles.slot).max()) <= 2
+
+
+def packed(batch: dict) -> dict:
+    offsets = torch.tensor([0] + [t.numel() for t in batch["tokens"]]).cumsum(0)
+    out = dict(batch)
+    for name in ("tokens", "logprobs", "response_mask"):
+        out[name] = {"values": torch.cat(batch[name]), "offsets": offsets}
+    return out
+
+
+def test_copies_at_add_reuse_dead_shards_memory_but_never_memory_still_referenced():
+    """The copy at add lands in memory recycled from dead shards (HostPool); a dead shard whose
+    tensors someone still holds (here a state_dict) is not recycled, so that data never changes.
+    Mutation checked: recycling without the use-count check rewrites the saved state's tokens."""
+    buf = tr.RolloutBuffer(8, sampler=tr.UniformSampler(), seed=0)
+    for i in range(3):  # capacity 8: each add of 8 evicts the previous shard
+        buf.add(packed(make_batch(8, seed=i, min_len=200, max_len=200)))
+    assert buf.metrics()["storage_recycled_bytes"] > 0
+    state = buf.state_dict()
+    saved = {k: v.clone() for k, v in next(iter(state["chunks"].values()))["token"].items()}
+    for i in range(3, 6):
+        buf.add(packed(make_batch(8, seed=i, min_len=200, max_len=200)))
+    for k, v in next(iter(state["chunks"].values()))["token"].items():
+        assert torch.equal(v, saved[k]), k
+    twin = tr.RolloutBuffer(8, sampler=tr.UniformSampler())
+    twin.load_state_dict(state)
+    assert twin.gather(torch.arange(8), count_use=False).tokens[:, :200].tolist() == \
+        saved["tokens"].view(8, 200).tolist()

@@ -155,7 +155,7 @@ class RolloutBuffer:
         A newer policy_version moves the buffer's version (evicting what that makes stale).
         Nothing changes unless the whole call succeeds.
         """
-        packed = validate_batch(batch, self.fields)
+        packed = validate_batch(batch, self.fields, copy=self.storage.copy_in)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self._tick()
         return self._insert(packed)
@@ -321,7 +321,7 @@ class RolloutBuffer:
         `multiple_of`; "raise" raises ValueError. On any error `fresh` has not been added and
         nothing changed, except that unreadable rollouts are evicted (see `on_corrupt`)."""
         check_short(if_short)
-        packed = validate_batch(fresh, self.fields)
+        packed = validate_batch(fresh, self.fields, copy=self.storage.copy_in)
         count = replay_count(packed.n, replay_ratio, n_replay, multiple_of)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self._tick()
@@ -428,6 +428,7 @@ class RolloutBuffer:
     def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
         """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
         gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
+        self._tick()  # a pending spill error surfaces now, not halfway through storing the chunks
         self._release(snapshot.adopt(self, state, chunk_rows, store_chunk))
         self._release(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
 

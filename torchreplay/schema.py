@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -177,8 +177,12 @@ def to_mapping(batch: Any) -> Mapping[str, Any]:
     raise SchemaError(f"a rollout batch must be a dict of tensors (or a TensorDict), got {type(batch).__name__}")
 
 
-def validate_batch(batch: Any, fields: Mapping[str, FieldSpec]) -> PackedBatch:
-    """Validate and pack a batch. Raises SchemaError naming field, rollout and problem."""
+def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
+                   copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedBatch:
+    """Validate and pack a batch. Raises SchemaError naming field, rollout and problem.
+
+    The result owns its memory: a token field still backed by the caller's storage is copied with
+    `copy` (default: clone), a rollout field is cloned."""
     batch = to_mapping(batch)
     unknown = set(batch) - set(fields)
     if unknown:
@@ -305,12 +309,12 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec]) -> PackedBatch:
     # or zeroes its tensors after `add` cannot change what was stored.
     borrowed = _storages(batch)
 
-    def own(t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if t.numel() and t.untyped_storage().data_ptr() in borrowed else t
+    def own(t: torch.Tensor, copier: Callable[[torch.Tensor], torch.Tensor] = torch.clone) -> torch.Tensor:
+        return copier(t) if t.numel() and t.untyped_storage().data_ptr() in borrowed else t
 
     for name, spec in fields.items():
         if name in token:
-            token[name] = own(token[name].to(spec.dtype).contiguous())
+            token[name] = own(token[name].to(spec.dtype).contiguous(), copy or torch.clone)
         elif name in rollout:
             rollout[name] = own(rollout[name].to(spec.dtype).contiguous())
     return PackedBatch(n=n, offsets=own(offsets), token=token, rollout=rollout)

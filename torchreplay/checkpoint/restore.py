@@ -208,6 +208,11 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
             with open(path, "rb") as f:
                 shard = fmt.parse_shard(f.read())
             slots = ((table["chunk"] == sid) & table["live"]).nonzero().flatten()
+            if buffer.max_staleness is not None and slots.numel():
+                # Rollouts already past this buffer's staleness cap would be evicted on arrival:
+                # they are not imported (add() would refuse the whole shard for them).
+                versions = (table["policy_version"][slots] + version_offset).clamp(min=0)
+                slots = slots[versions >= max(buffer.version, int(versions.max())) - buffer.max_staleness]
             rows = table["row"][slots]
             if rows.numel() and int(rows.max()) >= shard.header.n:
                 raise CheckpointError(f"imported shard {sid}: slot table names rows past its {shard.header.n}")

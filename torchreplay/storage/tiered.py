@@ -21,12 +21,12 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from torchreplay._ops import ops
 from torchreplay.errors import StorageError
 from torchreplay.schema import PackedBatch
-from torchreplay._ops import ops
 from torchreplay.storage import format as fmt
-from torchreplay.storage.io import (PAGE_BAD, READ_CHECKSUM, READ_OPEN, READ_SHORT, IOBackend, make_io,
-                                    storage_error)
+from torchreplay.storage.io import PAGE_BAD, READ_CHECKSUM, READ_OPEN, READ_SHORT, IOBackend, make_io, storage_error
+from torchreplay.storage.recycle import HostPool
 
 log = logging.getLogger("torchreplay.storage")
 
@@ -281,6 +281,7 @@ class TieredStorage:
         self._hot_bytes = 0
         self._background_error: BaseException | None = None
         self._pending_deletes: list[_Shard] = []
+        self.host_pool = HostPool(pin=self.pin)
         self.optional_fields: set[str] = set()
         self.counters = {"hot_hits": 0, "cold_reads": 0, "cold_bytes_read": 0, "cold_requests": 0, "spilled_shards": 0,
                          "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
@@ -312,12 +313,16 @@ class TieredStorage:
             self.io.close()
 
     # ---------------------------------------------------------------------------------- writes
+    def copy_in(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of caller data for a shard, in recycled host memory when some fits (HostPool)."""
+        return self.host_pool.copy_in(t)
+
     def put(self, batch: PackedBatch) -> int:
         """Store a batch as a new sealed shard; returns its id. Hot first, written through if tiered."""
         self.check()
         token = batch.token
         if self.pin:
-            token = {k: v.pin_memory() for k, v in token.items()}
+            token = {k: v if v.is_pinned() else v.pin_memory() for k, v in token.items()}
         token_bytes = sum(t.numel() * t.element_size() for t in token.values())
         shard = _Shard(id=next(self._ids), n=batch.n, offsets=batch.offsets, rollout=dict(batch.rollout),
                        token=token, token_bytes=token_bytes, live_rows=batch.n, token_fields=tuple(token))
@@ -518,6 +523,8 @@ class TieredStorage:
             ready = [s for s in self._pending_deletes if s.pins == 0 and s.write is None]
             self._pending_deletes = [s for s in self._pending_deletes if s not in ready]
         for shard in ready:
+            if shard.token is not None:
+                self.host_pool.give(shard.token.values())
             shard.token = None
             if shard.path is not None:
                 try:
@@ -920,5 +927,6 @@ class TieredStorage:
         hot = sum(1 for s in self._shards.values() if s.token is not None)
         return {"storage_hot_bytes": self._hot_bytes, "storage_device_bytes": self._device_used,
                 "storage_shards": len(self._shards), "storage_hot_shards": hot,
-                "storage_cold_shards": len(self._shards) - hot,
+                "storage_cold_shards": len(self._shards) - hot, "storage_spare_bytes": self.host_pool.spare_bytes,
+                **{f"storage_{k}": v for k, v in self.host_pool.counters.items()},
                 **{f"storage_{k}": v for k, v in self.counters.items()}}
