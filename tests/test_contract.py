@@ -124,12 +124,18 @@ def test_reuse_cap_redraws_without_biasing_the_others():
 
 
 def test_reuse_cap_in_compose_counts_the_fresh_use():
+    """max_reuse=1 with compose is on-policy: the fresh use spends the whole budget, so nothing is
+    ever replayed (mutation checked: not counting the fresh use replays them)."""
+    on_policy = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    for v in range(4):
+        out = on_policy.compose(make_batch(2, version=v, seed=v), n_replay=3)
+        assert len(out) == 2 and bool(out.is_fresh.all()) and len(on_policy) == 0
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), max_reuse=2, seed=0)
     for v in range(6):
         out = buf.compose(make_batch(2, version=v, seed=v), n_replay=3, if_short="truncate")
-        total = torch.bincount(out.handles.slot, minlength=16)
-        assert int(total.max()) <= 2
-        assert bool((out.reuse[~out.is_fresh] <= 1).all())  # the fresh use counted: one left at most
+        fresh = out.handles.slot[out.is_fresh]
+        assert buf.slots.reuse[fresh].tolist() == [1, 1]
+        assert int(torch.bincount(out.handles.slot, minlength=16).max()) <= 2
 
 
 # ------------------------------------------------------------------------------ 3. staleness cap
@@ -365,3 +371,78 @@ def test_copies_at_add_reuse_dead_shards_memory_but_never_memory_still_reference
     twin.load_state_dict(state)
     assert twin.gather(torch.arange(8), count_use=False).tokens[:, :200].tolist() == \
         saved["tokens"].view(8, 200).tolist()
+
+
+
+# ------------------------------------------------------------------------------ review findings
+def test_a_tighter_staleness_cap_holds_from_the_moment_it_is_set():
+    buf = tr.RolloutBuffer(32, sampler=tr.UniformSampler(), seed=0)
+    buf.add(make_batch(4, version=0, seed=0))
+    buf.add(make_batch(4, version=5, seed=1))
+    buf.max_staleness = 2
+    assert len(buf) == 4 and int(buf.sample(64).age.max()) == 0
+    assert buf.metrics()["evicted_staleness"] == 4
+
+
+class FailingHook(tr.TreeSampler):
+    """Uniform, but its version hook fails at version `fail_at` (a user sampler's bug)."""
+
+    depends_on_version = True
+    fail_at = 5
+
+    def priority(self, slots):
+        if self.slots.current_version == self.fail_at:
+            raise RuntimeError("hook failed")
+        return torch.ones(slots.numel(), dtype=torch.float64)
+
+
+def test_advance_with_a_failing_sampler_hook_changes_nothing():
+    buf = tr.RolloutBuffer(16, sampler=FailingHook(), max_staleness=2, seed=0)
+    for v in range(4):
+        buf.add(make_batch(2, version=v, seed=v))
+    before = unchanged_state(buf)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        buf.advance(5)
+    assert_same(unchanged_state(buf), before)
+    buf.advance(4)
+    assert len(buf) == 4  # versions 2 and 3
+
+
+def test_load_state_dict_whose_chunk_store_fails_changes_nothing():
+    """The new table was adopted before the chunks were stored: a failing put left old shard ids
+    in the new table, so slots returned another rollout's tokens."""
+    storage = FlakyStorage()
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), storage=storage, seed=0)
+    buf.add(make_batch(6, version=0, seed=0))
+    other = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), seed=1)
+    other.add(make_batch(4, version=3, seed=7))
+    before = unchanged_state(buf)
+    want = buf.gather(torch.arange(6), count_use=False).tokens
+    storage.fail_next = True
+    with pytest.raises(StorageError):
+        buf.load_state_dict(other.state_dict())
+    assert_same(unchanged_state(buf), before)
+    assert torch.equal(buf.gather(torch.arange(6), count_use=False).tokens, want)
+    buf.load_state_dict(other.state_dict())
+    assert len(buf) == 4 and buf.version == 3
+
+
+def test_compose_draws_with_the_new_versions_priorities():
+    """NewestOnly at version 1: nothing stored is at version 1 before the insert, so nothing is
+    replayed (the draw used version 0's priorities and replayed 4 rows of age 1)."""
+    blocks = [b for b in _python_blocks((DOCS / "api.md").read_text()) if "class NewestOnly" in b]
+    scope: dict = {"tr": tr, "torch": torch}
+    exec(blocks[0], scope)
+    buf = tr.RolloutBuffer(64, sampler=scope["NewestOnly"](), seed=0)
+    buf.add(make_batch(8, version=0, seed=0))
+    out = buf.compose(make_batch(4, version=1, seed=1), n_replay=4)
+    assert bool(out.is_fresh.all()) and len(out) == 4
+
+
+def test_overflow_raise_counts_the_room_that_staleness_makes():
+    buf = tr.RolloutBuffer(4, sampler=tr.UniformSampler(), max_staleness=1, overflow="raise", seed=0)
+    buf.add(make_batch(4, version=0, seed=0))
+    with pytest.raises(tr.SchemaError, match="buffer full"):
+        buf.add(make_batch(1, version=1, seed=1))  # version 0 is still within the cap at 1
+    buf.add(make_batch(4, version=5, seed=2))  # at 5 every stored rollout is stale: room for 4
+    assert len(buf) == 4 and buf.version == 5

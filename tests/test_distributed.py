@@ -10,6 +10,7 @@ each, and one chain of checkpoint jobs (4 ranks -> 2 -> 3 -> 3) sharing one file
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -450,6 +451,17 @@ def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
             counts[str(v)] = counts.get(str(v), 0) + 1
     out["reshard_version_draws"] = counts
 
+    # Ranks whose own adds put them at different versions (31 and 32): the global draw brings both
+    # to 32 first, so both FreshnessSampler references agree (tau 1: v31 weighs e^-1 of v32).
+    fr = DistributedRolloutBuffer(mode="global", capacity=16,
+                                  sampler=tr.FreshnessSampler(alpha=1.0, beta=0.0, eps=EPS, tau=1.0))
+    fr.add(make_batch(2, version=31 + rank, seed=40 + rank, advantage=torch.ones(2)))
+    g = torch.Generator().manual_seed(9 + rank)
+    newest = 0
+    for _ in range(40):
+        newest += int((fr.sample(20, generator=g).policy_version == 32).sum())
+    out["fresh_versions"] = [fr.version, fr.buffer.sampler.t_ref, newest]
+
 
 JOBS = {"contract": _job_contract, "main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
         "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three}
@@ -507,6 +519,16 @@ def test_reshard_keeps_freshness_staleness_and_sampler_config_on_every_rank(cont
         for v, n in res["reshard_version_draws"].items():
             total[v] = total.get(v, 0) + n
     assert total.get("18", 0) / sum(total.values()) > 0.99
+
+
+def test_global_sampling_brings_ranks_at_different_versions_together(contract_job):
+    """Rank 0 added at version 31, rank 1 at 32: each rank's FreshnessSampler reference followed
+    its own version, and the v32 rollouts got 0 of 800 draws. Expected share 1 / (1 + e^-1) =
+    0.731; 1600 draws (stratified) give a standard error below 0.011, tolerance 0.06."""
+    a, b = contract_job[0]["fresh_versions"], contract_job[1]["fresh_versions"]
+    assert a[:2] == b[:2] and a[0] == 32
+    share = (a[2] + b[2]) / 1600
+    assert abs(share - 1 / (1 + math.exp(-1))) < 0.06, share
 
 
 def test_global_sampling_frequencies_match_priorities_over_all_ranks(main_job):

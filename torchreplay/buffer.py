@@ -124,6 +124,7 @@ class RolloutBuffer:
     @max_staleness.setter
     def max_staleness(self, value: int | None) -> None:
         self.ledger.max_staleness = check_cap("max_staleness", value)
+        self._release(self.ledger.advance(self.version)[1])  # a tighter cap holds from now on
 
     @property
     def max_reuse(self) -> int | None:
@@ -327,11 +328,15 @@ class RolloutBuffer:
         self._tick()
         generator = generator if generator is not None else self.generator
         version = max(self.version, int(packed.rollout["policy_version"].max()))
-        state = generator.get_state()
+        state, old_version = generator.get_state(), self.version
         try:
+            # The sampler hears the new version before the draw, so version-dependent priorities
+            # are current; what the version makes stale is excluded now and evicted by the insert.
+            self.ledger.set_version(version)
             replayed = self._draw_replay(count, generator, version, if_short, packed.n, multiple_of or 1)
             handles = self._insert(packed)
         except BaseException:
+            self.ledger.set_version(old_version)
             generator.set_state(state)
             raise
         fresh_batch = self.assembler.materialize(self.assembler.plan(
@@ -429,7 +434,7 @@ class RolloutBuffer:
         """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
         gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
         self._tick()  # a pending spill error surfaces now, not halfway through storing the chunks
-        self._release(snapshot.adopt(self, state, chunk_rows, store_chunk))
+        self._release(snapshot.adopt(self, state, chunk_rows, store_chunk, self._release_shard))
         self._release(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
 
     # -------------------------------------------------------------------------------- durability

@@ -11,11 +11,13 @@ Rollouts are added on the rank that generated them and never move at insertion. 
 
 Protocol of a global `sample` (collectives in this order, on every rank):
 
-1. all_reduce of a [world, 7] float64 table: every rank fills its own row (count, total, min
-   priority, beta, batch size, arguments-ok, and on rank 0 a random shift) and zeros elsewhere, so
-   a SUM reduce gathers all rows in one collective, exactly (adding zeros is exact). It also
-   carries argument checks, so bad input on one rank raises on every rank instead of leaving the
-   others waiting in the next collective.
+1. all_reduce of a [world, 8] float64 table: every rank fills its own row (count, total, min
+   priority, beta, batch size, arguments-ok, on rank 0 a random shift, and the shard's policy
+   version) and zeros elsewhere, so a SUM reduce gathers all rows in one collective, exactly
+   (adding zeros is exact). It also carries argument checks, so bad input on one rank raises on
+   every rank instead of leaving the others waiting in the next collective. If the versions differ
+   (a rank added newer rollouts), every rank advances to the newest and the table is exchanged
+   again: the staleness cap and version-dependent priorities must agree before one global draw.
 2. Uniforms: no extra collective. The global total T is cut into `B * W` strata; rank r takes the
    strata k * W + r (k = 0..B-1), draws its position inside each from its own `generator`, and every
    point is rotated by a shift s in [0, T) that rank 0 draws from its generator and shares in the
@@ -96,7 +98,7 @@ from torchreplay.schema import ROLLOUT, TOKEN
 
 MODES = ("local", "global")
 # Columns of the per-call shard table (see the module docstring, step 1).
-_COUNT, _TOTAL, _MIN, _BETA, _BATCH, _OK, _SHIFT = range(7)
+_COUNT, _TOTAL, _MIN, _BETA, _BATCH, _OK, _SHIFT, _VERSION = range(8)
 _ONE_BELOW_ONE = math.nextafter(1.0, 0.0)
 # Per-rollout fields the receiver rebuilds from the owner's slot table.
 _META_INT = ("status", "length", "slot", "generation", "reuse", "age", "prompt_len", "group_id", "policy_version")
@@ -454,7 +456,8 @@ class DistributedRolloutBuffer:
         else:  # samplers without priorities: weights are all ones, only count matters
             total, pmin = float(count), (1.0 if count else math.inf)
         beta = float(getattr(sampler, "beta", 0.0))
-        return torch.tensor([count, total, pmin, beta, batch_size, 1.0 if ok else 0.0, shift], dtype=torch.float64)
+        return torch.tensor([count, total, pmin, beta, batch_size, 1.0 if ok else 0.0, shift, self.buffer.version],
+                            dtype=torch.float64)
 
     def _exchange(self, step: str, batch_size: int, error: str | None, shift: float = 0.0) -> torch.Tensor:
         """Step 1 of the protocol. Raises on every rank when any rank's arguments were bad."""
@@ -657,6 +660,17 @@ class DistributedRolloutBuffer:
         if error is None and self.mode == "global" and self.rank == 0:
             shift = float(torch.rand(1, dtype=torch.float64, generator=generator))
         rows = self._exchange("sample: shard stats", batch_size if error is None else 0, error, shift)
+        newest = int(rows[:, _VERSION].max())
+        if int(rows[:, _VERSION].min()) != newest:
+            # A rank that added newer rollouts moved its own version. Every rank moves to the
+            # newest first, so the staleness cap and version-dependent priorities (FreshnessSampler's
+            # reference) are the same on all of them; then the shard stats are taken again.
+            failed = None
+            try:
+                self.buffer.advance(newest)
+            except Exception as e:  # noqa: BLE001 - raised by _exchange, after the collective
+                failed = f"advancing to version {newest} failed: {e}"
+            rows = self._exchange("sample: shard stats", batch_size, failed, shift)
         sizes = rows[:, _BATCH]
         if bool((sizes != batch_size).any()):
             raise ValueError(f"batch_size must be the same on every rank, got {sizes.to(torch.int64).tolist()}")
@@ -799,7 +813,7 @@ class DistributedRolloutBuffer:
         if not bool(over.any()):
             return slots, prio
         remaining.index_add_(0, slots[~over], -torch.ones_like(slots[~over]))
-        extra, extra_prio = buf.sampler.draw(int(over.sum()), buf.generator, remaining)
+        extra, extra_prio, _ = buf.sampler.draw(int(over.sum()), buf.generator, remaining)
         if extra.numel() < int(over.sum()):
             raise ValueError(f"rank {self.rank}: the requested rollouts exceed their reuse budgets and this shard "
                              "has no other rollout with budget left")

@@ -118,7 +118,9 @@ class Ledger:
                         f"{self.slots.count}, non-zero priority and reuse budget left); pass if_short='truncate' "
                         "for a shorter batch")
                 keep = max(0, slots.numel() - (n_fresh + slots.numel()) % multiple)
-                slots, weights = slots[:keep], weights[:keep]
+                if keep < slots.numel():  # which rows go is random: draws come sorted by slot
+                    kept = torch.sort(torch.randperm(slots.numel(), generator=generator)[:keep]).values
+                    slots, weights = slots[kept], weights[kept]
         except BaseException:
             generator.set_state(state)
             raise
@@ -184,15 +186,21 @@ class Ledger:
         return self._kill(slots)
 
     def set_version(self, version: int) -> None:
-        if version != self.slots.version:
+        """Move the version and tell the sampler; if its hook raises, the version stays."""
+        old = self.slots.version
+        if version != old:
             self.slots.version = version
-            self.sampler.on_advance(version)
+            try:
+                self.sampler.on_advance(version)
+            except BaseException:
+                self.slots.version = old
+                raise
 
     def advance(self, version: int) -> tuple[int, Released]:
         """Move the version forward and evict what it makes stale; returns (evicted, released)."""
         stale = self.stale(version)
+        self.set_version(version)  # first: the one step that can raise (a sampler hook)
         released = self.evict(stale, "staleness")
-        self.set_version(version)
         if self.max_staleness is not None:
             self.slots.drop_versions_below(version - self.max_staleness)
         return stale.numel(), released
@@ -227,10 +235,13 @@ class Ledger:
         n = versions.numel()
         if n > self.capacity:
             raise SchemaError(f"batch of {n} rollouts exceeds the buffer capacity {self.capacity}")
-        if overflow_raises and n > len(self.slots.free):
-            raise SchemaError(f"buffer full: {n} rollouts to add, {len(self.slots.free)} free slots (overflow='raise')")
         if int(versions.max()) >= MAX_VERSION or int(versions.min()) < 0:
             raise SchemaError(f"field 'policy_version': versions must lie in [0, 2**62), got {versions.tolist()}")
+        if overflow_raises and n > len(self.slots.free):
+            room = len(self.slots.free) + self.stale(max(self.version, int(versions.max()))).numel()
+            if n > room:
+                raise SchemaError(f"buffer full: {n} rollouts to add, {room} free slots counting those the add "
+                                  "makes stale (overflow='raise')")
         if self.max_staleness is not None:
             stale = versions < max(self.version, int(versions.max())) - self.max_staleness
             if bool(stale.any()):

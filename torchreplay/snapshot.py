@@ -57,10 +57,12 @@ def chunk_batch(state: Mapping[str, Any], cid: int, rows: int) -> PackedBatch:
 
 
 def adopt(buffer: "RolloutBuffer", state: Mapping[str, Any], chunk_rows: dict[int, int],
-          store_chunk: Callable[[int], int]) -> list[tuple[int, int]]:
+          store_chunk: Callable[[int], int], release_shard: Callable[[int, int], None]) -> list[tuple[int, int]]:
     """Validate `state` against `buffer` and the stored chunks' row counts, then adopt it.
-    `store_chunk(old id) -> new shard id` brings one chunk into storage. Returns the (shard, rows)
-    the buffer held before, for the caller to release."""
+    `store_chunk(old id) -> new shard id` brings one chunk into storage; `release_shard(id, rows)`
+    gives rows back. All-or-nothing: the chunks are stored before anything else changes, and
+    released again if a later step fails. Returns the (shard, rows) the buffer held before, and
+    the stored chunks' rows that no live slot names, for the caller to release."""
     if state.get("format_version") != STATE_VERSION:
         raise ValueError(f"state format_version {state.get('format_version')!r} != {STATE_VERSION}")
     if state.get("config") != buffer.config():
@@ -76,21 +78,21 @@ def adopt(buffer: "RolloutBuffer", state: Mapping[str, Any], chunk_rows: dict[in
     rng = state.get("rng")
     if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
         raise ValueError("state 'rng' must be a uint8 generator state tensor")
-    old_rng = buffer.generator.get_state()
-    buffer.generator.set_state(rng)
-    try:
-        old_table = buffer.ledger.adopt(table, state)
-    except Exception:
-        buffer.generator.set_state(old_rng)
-        raise
-    # Committed: the chunks come in under new shard ids; rows no live slot names are released.
-    released = list(zip(*live_shards(old_table)))
-    remap: dict[int, int] = {}
     live_per_chunk = dict(zip(*(x.tolist() for x in torch.unique(live_chunks, return_counts=True))))
-    for cid in sorted(live_per_chunk):
-        remap[cid] = store_chunk(cid)
-        if chunk_rows[cid] > live_per_chunk[cid]:
-            released.append((remap[cid], chunk_rows[cid] - live_per_chunk[cid]))
+    remap: dict[int, int] = {}
+    old_rng = buffer.generator.get_state()
+    try:
+        for cid in sorted(live_per_chunk):
+            remap[cid] = store_chunk(cid)
+        buffer.generator.set_state(rng)
+        old_table = buffer.ledger.adopt(table, state)
+    except BaseException:
+        buffer.generator.set_state(old_rng)
+        for cid, sid in remap.items():
+            release_shard(sid, chunk_rows[cid])
+        raise
     live_slots = table.live_slots()
     table.chunk[live_slots] = torch.tensor([remap[c] for c in table.chunk[live_slots].tolist()], dtype=torch.int64)
+    released = list(zip(*live_shards(old_table)))
+    released += [(remap[cid], chunk_rows[cid] - live) for cid, live in live_per_chunk.items() if chunk_rows[cid] > live]
     return released

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -134,10 +135,12 @@ class TreeSampler:
         return torch.empty(0, dtype=torch.int64)
 
     def on_advance(self, version: int) -> None:
+        # The new priorities are computed and written (the tree checks them first) before the
+        # version is taken, so a priority that fails leaves the sampler as it was.
         changed = self.changed_by_version(self._version, version)
-        self._version = version
         if changed.numel():
             self._write(changed, self.priority(changed))
+        self._version = version
 
     # -- sampling ------------------------------------------------------------------------------
     def mass(self) -> tuple[float, float]:
@@ -153,13 +156,14 @@ class TreeSampler:
 
     def sample(self, n: int, generator: torch.Generator | None,
                remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        slots, prio = self.draw(n, generator, remaining)
-        return slots, self.is_weights(prio, float(self.tree.min()))
+        slots, prio, drawable_min = self.draw(n, generator, remaining)
+        return slots, self.is_weights(prio, drawable_min)
 
     def draw(self, n: int, generator: torch.Generator | None,
-             remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Stratified proportional draw of up to n slots under `remaining` budgets; returns the
-        slots and their priorities (float64, CPU).
+        slots, their priorities (float64, CPU) and the smallest positive priority among the slots
+        that were drawable (budget > 0) when the call began (+inf if none).
 
         The first pass is stratified over the whole mass. A slot drawn more often than its budget
         keeps its first `remaining` draws; it is then set aside (its leaf zeroed for the rest of
@@ -168,7 +172,7 @@ class TreeSampler:
         before when this returns or raises."""
         empty = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
         if n <= 0:
-            return empty
+            return (*empty, math.inf)
         aside: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def set_aside(slots: torch.Tensor) -> None:
@@ -182,6 +186,7 @@ class TreeSampler:
             if remaining is not None:
                 used = torch.zeros(self.slots.capacity, dtype=torch.int64)
                 set_aside((self.slots.live & (remaining <= 0)).nonzero().flatten())
+            drawable_min = float(self.tree.min())
             need = n
             while need > 0 and float(self.tree.total()) > 0:
                 u = torch.rand(need, dtype=torch.float64, generator=generator)
@@ -207,8 +212,8 @@ class TreeSampler:
             for slots, values in reversed(aside):
                 self._write(slots, values)
         if not kept_slots:
-            return empty
-        return torch.cat(kept_slots), torch.cat(kept_prio)
+            return (*empty, drawable_min)
+        return torch.cat(kept_slots), torch.cat(kept_prio), drawable_min
 
     def is_weights(self, prio: torch.Tensor, buffer_min: float) -> torch.Tensor:
         """IS weights (float32) for rows drawn with priorities `prio`, under `weight_norm`;

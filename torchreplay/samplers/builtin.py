@@ -102,24 +102,31 @@ class FreshnessSampler(PrioritizedSampler):
         age_from_ref = (self.slots.policy_version[slots] - self.t_ref).double()
         return self.base_priority(slots) * torch.exp(age_from_ref / self.tau)
 
-    def changed_by_version(self, old: int | None, new: int) -> torch.Tensor:
-        t_ref = new - new % self.period
-        if t_ref == self.t_ref:
-            return torch.empty(0, dtype=torch.int64)
-        self.t_ref = t_ref
-        self.rebases += 1
-        return self.slots.live.nonzero().flatten()
+    def on_advance(self, version: int) -> None:
+        t_ref = version - version % self.period
+        if t_ref != self.t_ref:
+            old, self.t_ref = self.t_ref, t_ref
+            live = self.slots.live.nonzero().flatten()
+            try:
+                self._write(live, self.priority(live))
+            except BaseException:
+                self.t_ref = old
+                raise
+            self.rebases += 1  # a diagnostic, not state: a failed call that rebased twice counts both
+        super().on_advance(version)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "tau": self.tau}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "t_ref": self.t_ref, "rebases": self.rebases}
+        return {**super().state_dict(), "t_ref": self.t_ref}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.t_ref = int(state["t_ref"])
-        self.rebases = int(state["rebases"])
+        t_ref = state.get("t_ref")
+        if isinstance(t_ref, bool) or not isinstance(t_ref, int):
+            raise ValueError(f"FreshnessSampler state 't_ref' must be an int, got {t_ref!r}")
+        self.t_ref = t_ref
 
 
 class PNewestSampler(TreeSampler):
@@ -167,12 +174,12 @@ class PNewestSampler(TreeSampler):
         # The uniform part excludes the newest for this draw...
         others = torch.full((self.slots.capacity,), n, dtype=torch.int64) if remaining is None else remaining.clone()
         others[newest_t] = 0
-        drawn, _ = self.draw(rest, generator, others)
+        drawn, _, _ = self.draw(rest, generator, others)
         # ...unless nothing else is left: then the newest are drawn again, within their budgets.
         if drawn.numel() < rest and newest:
             again = others.zero_()
             again[newest_t] = n if remaining is None else remaining[newest_t] - 1
-            extra, _ = self.draw(rest - drawn.numel(), generator, again)
+            extra, _, _ = self.draw(rest - drawn.numel(), generator, again)
             drawn = torch.cat([drawn, extra])
         slots = torch.cat([newest_t, drawn])
         return slots, torch.ones(slots.numel(), dtype=torch.float32)
