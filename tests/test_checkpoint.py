@@ -212,3 +212,24 @@ def test_lazy_restore_then_checkpoint_elsewhere_carries_every_rollout(tmp_path):
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.reward, b.reward)
     for x in (buf, lazy, again):
         x.close()
+
+
+def test_restore_keeps_pad_token_id_and_sampler_settings(tmp_path):
+    """pad_token_id was missing from the checkpoint config: a restored buffer padded with 0
+    ([1, 2, 7, 7, 7] came back as [1, 2, 0, 0, 0]); an annealed beta came back as 0.4."""
+    uri = f"file://{tmp_path}/ckpt"
+    sampler = tr.PrioritizedSampler(alpha=0.5, beta=0.4, weight_norm="batch_mean")
+    buf = tr.RolloutBuffer(8, sampler=sampler, pad_token_id=7, checkpoint=Checkpointer(uri, interval_s=3600))
+    batch = make_batch(2, seed=3)
+    batch["tokens"] = [torch.tensor([1, 2]), torch.tensor([3, 4, 5, 6, 8])]
+    batch["logprobs"] = [torch.zeros(2), torch.zeros(5)]
+    batch["response_mask"] = [torch.tensor([False, True]), torch.tensor([False, False, True, True, True])]
+    buf.add(batch)
+    sampler.beta = 0.9
+    buf.checkpoint()
+    resumed = tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    assert resumed.pad_token_id == 7
+    assert resumed.gather(torch.tensor([0, 1]), count_use=False).tokens[0].tolist() == [1, 2, 7, 7, 7]
+    assert resumed.sampler.beta == 0.9 and resumed.sampler.weight_norm == "batch_mean"
+    buf.close()
+    resumed.close()
