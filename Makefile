@@ -21,6 +21,8 @@ $(DEPS): requirements-dev.txt
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && $(BIN)/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then \
 		echo "warning: a CUDA build of torch was installed on a machine without a GPU"; fi
 	$(BIN)/pip install --disable-pip-version-check -r requirements-dev.txt
+	@# With a CUDA driver, the `gpu` extra (kvikio) too: its tests fail rather than skip without it.
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --disable-pip-version-check kvikio-cu13; fi
 	touch $@
 
 $(EXT): $(DEPS) $(SOURCES)

@@ -44,3 +44,12 @@ def s3_bucket(s3_server, request):
     name = f"tr-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=server.endpoint_url).create_bucket(Bucket=name)
     yield name
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Count the CUDA tests that did not run, so a GPU run that silently skips shows up."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    cuda = [r for r in skipped if "cuda" in getattr(r, "keywords", {})]
+    if cuda or CUDA:
+        where = "a CUDA device is present" if CUDA else "no CUDA device here"
+        terminalreporter.write_line(f"torchreplay: {len(cuda)} CUDA test(s) skipped ({where})")

@@ -6,14 +6,14 @@ version moves, capacity eviction oldest-first, the reuse cap, priority 0 for a z
 batch-max IS weights, all-or-nothing failures. It cannot predict which rollouts a draw picks, so it
 takes the draw from the buffer, checks it against the rules, and applies its consequences.
 
-Bounded and seeded in `make test`; `TORCHREPLAY_SLOW=1` runs many more sequences. Mutations it
+Bounded and seeded in `make test`; the `slow` variant (`TORCHREPLAY_SLOW=1`) runs many more and longer
+sequences. Mutations it
 catches (checked): drawing without the per-slot reuse budgets ("rollout 0 drawn 1x, budget 0"), and
 inserting without the staleness eviction at add (len 2 where the model holds 1).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -26,7 +26,6 @@ from rollouts import make_batch
 from torchreplay.errors import SchemaError, StorageError
 from torchreplay.storage import TieredStorage
 
-SLOW = os.environ.get("TORCHREPLAY_SLOW", "0") == "1"
 CAPACITY = 12
 ALPHA, BETA, EPS = 1.0, 0.5, 1e-3
 
@@ -180,11 +179,7 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=400 if SLOW else 25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(max_staleness=st.sampled_from([None, 0, 1, 2]), max_reuse=st.sampled_from([None, 1, 2, 3]),
-       ops=st.lists(OPS, min_size=1, max_size=60 if SLOW else 25))
-def test_random_call_sequences_keep_the_contract(max_staleness, max_reuse, ops):
+def contract_holds(max_staleness, max_reuse, ops):
     def build(storage=None):
         return tr.RolloutBuffer(CAPACITY, sampler=tr.PrioritizedSampler(alpha=ALPHA, beta=BETA, eps=EPS),
                                 max_staleness=max_staleness, max_reuse=max_reuse, seed=0,
@@ -272,3 +267,14 @@ def test_random_call_sequences_keep_the_contract(max_staleness, max_reuse, ops):
             assert torch.equal(before["sampler"]["tree"]["priorities"], after["sampler"]["tree"]["priorities"])
         check_agrees(model, buf)
     buf.close()
+
+
+def property_test(examples: int, max_ops: int):
+    return settings(max_examples=examples, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(
+        given(max_staleness=st.sampled_from([None, 0, 1, 2]), max_reuse=st.sampled_from([None, 1, 2, 3]),
+              ops=st.lists(OPS, min_size=1, max_size=max_ops))(contract_holds))
+
+
+test_random_call_sequences_keep_the_contract = property_test(examples=25, max_ops=25)
+test_random_call_sequences_keep_the_contract_long = pytest.mark.slow(property_test(examples=400, max_ops=60))

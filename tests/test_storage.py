@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchreplay as tr
+from gpu_support import require_kvikio
 from rollouts import make_batch
 from torchreplay.storage import TieredStorage
 from torchreplay.storage import format as fmt
@@ -339,7 +340,7 @@ def test_cuda_device_tier_batches_equal_host_assembled_ones(tmp_path, case, io):
     """The VRAM tier and (with kvikio) cold pages read straight into device memory and verified
     there by the CUDA span_crc32; POSIX cannot read into VRAM, so its cold rows come via the host."""
     if io == "kvikio":
-        pytest.importorskip("kvikio", reason="kvikio is not installed (pip install kvikio-cu13)")
+        require_kvikio()
     hot, tiered = device_twins(tmp_path, "cuda", io=io, **device_storage_kw(tmp_path, case))
     for seed in range(4):
         want = hot.sample(40, generator=torch.Generator().manual_seed(seed))
@@ -394,8 +395,10 @@ def test_device_settings_are_validated(tmp_path):
 def test_io_auto_without_cuda_driver_picks_posix(tmp_path, caplog):
     from torchreplay.storage import cuda_driver_present
 
-    if cuda_driver_present():
-        pytest.skip("a CUDA driver is present: auto picks kvikio (covered by the kvikio test)")
+    if cuda_driver_present():  # then auto must pick kvikio, which must be installed
+        require_kvikio()
+        assert TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="auto").io_name == "kvikio"
+        return
     with caplog.at_level("INFO", logger="torchreplay.storage"):
         storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="auto")
     assert storage.io_name == "posix" and "POSIX" in caplog.text
@@ -405,7 +408,7 @@ def test_io_auto_without_cuda_driver_picks_posix(tmp_path, caplog):
 
 @pytest.mark.cuda
 def test_kvikio_round_trip(tmp_path):
-    pytest.importorskip("kvikio", reason="kvikio is not installed (pip install kvikio-cu13)")
+    require_kvikio()
     hot, cold = twin_buffers(tmp_path, hot_bytes=0)
     cold.storage.close()
     kv = tr.RolloutBuffer(256, sampler=tr.PrioritizedSampler(alpha=0.7),
