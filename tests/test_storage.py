@@ -531,3 +531,27 @@ def test_kvikio_read_spans_waits_for_every_issued_read_and_maps_failures(tmp_pat
     assert isinstance(got[3], OSError) and got[3].errno == errno.ENOENT
     assert closed == [str(present)]
     io.pool.shutdown()
+
+
+@pytest.mark.parametrize("policy, dropped", [("lru", 1), ("newest", 0)])
+def test_hot_policy_decides_which_copy_is_dropped(tmp_path, policy, dropped):
+    """docs/api.md: `policy="lru"` drops the least recently sampled shard's hot copy first,
+    `"newest"` the oldest added, whatever was sampled. Three shards of 10.4 KB under a 26 KB hot
+    budget: shard 0 is sampled, then shard 2 arrives and one copy must go. Observed only through
+    the public read counters. Mutation checked: LRUPolicy.touched as a no-op makes "lru" drop
+    shard 0."""
+    storage = TieredStorage(hot_bytes=26_000, spill_dir=tmp_path, io="posix", policy=policy)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage)
+    shards = [buf.add(make_batch(8, seed=i, min_len=100, max_len=100)) for i in range(2)]
+    storage.flush()
+    buf.gather(shards[0].slot, count_use=False)  # shard 0 is the most recently used
+    shards.append(buf.add(make_batch(8, seed=2, min_len=100, max_len=100)))
+    storage.flush()
+
+    def read_cold(handles) -> bool:
+        before = buf.metrics()["storage_cold_reads"]
+        buf.gather(handles.slot, count_use=False)
+        return buf.metrics()["storage_cold_reads"] > before
+
+    assert [read_cold(shards[i]) for i in (2, dropped, 1 - dropped)] == [False, True, False]
+    buf.close()
