@@ -1,8 +1,10 @@
-"""The C++ cold-tier reader (torchreplay::read_shard_rows): same bytes as the Python decoder,
+"""The C++ cold-tier reader (torchreplay::read_shard_rows): the bytes of the tensors the test wrote
+(not whatever the library's own decoder reads back), exactly the pages covering the requested rows,
 corruption and I/O failures reported per segment, inconsistent requests refused before reading."""
 
 import errno
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,14 +12,16 @@ import torch
 import torchreplay as tr
 from torchreplay.storage import TieredStorage
 from torchreplay.storage import format as fmt
-from torchreplay.storage.io import (PAGE_BAD, PAGE_OK, READ_CHECKSUM, READ_FAILED, READ_OK, READ_OPEN,
-                                    READ_SHORT, read_shard_rows)
+from torchreplay.storage.io import (PAGE_BAD, PAGE_OK, PAGE_UNREAD, READ_CHECKSUM, READ_FAILED, READ_OK,
+                                    READ_OPEN, READ_SHORT, read_shard_rows)
 
 PAGE = 4096  # small pages: a few KB of rows span many checksum pages
 
 
 def write_shard(path, n=40, seed=0, page_size=PAGE):
-    """A shard with int64, float32, bool, bfloat16 and a trailing-shape uint8 token field."""
+    """A shard with int64, float32, bool, bfloat16 and a trailing-shape uint8 token field.
+    Returns the header and the generated tensors (`src`: offsets, token, rollout), which are the
+    reference every test compares against, so an encode bug that the decoder mirrors cannot pass."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 700, (n,), generator=g)
     offsets = torch.zeros(n + 1, dtype=torch.int64)
@@ -37,13 +41,13 @@ def write_shard(path, n=40, seed=0, page_size=PAGE):
         piece = bytes(piece)
         data[offset : offset + len(piece)] = piece
     path.write_bytes(bytes(data))
-    return header
+    return header, SimpleNamespace(offsets=offsets, token=token, rollout=rollout)
 
 
-def request(header, ref, rows, fields, dest_rows=None):
-    """Op arguments for `rows` (sorted unique) of `fields` of one shard file, and the rows the
-    Python decoder (zlib-verified parse_shard) gives for them."""
-    offsets = ref.offsets
+def request(header, src, rows, fields, dest_rows=None):
+    """Op arguments for `rows` (sorted unique) of `fields` of one shard file, and the rows of the
+    generated tensors `src` (see write_shard) that the reader must return for them."""
+    offsets = src.offsets
     rows = torch.as_tensor(rows, dtype=torch.int64)
     starts, ends = offsets[rows], offsets[rows + 1]
     out_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
@@ -58,7 +62,7 @@ def request(header, ref, rows, fields, dest_rows=None):
         b = header.blocks[name]
         segments.append([0, b.offset, b.nbytes, b.row_bytes, header.page_size, base[name], len(dests), 0, rows.numel()])
         dests.append(torch.full((total, *b.shape), 7, dtype=b.dtype))
-    expected = {name: torch.cat([ref.token[name][int(s):int(e)] for s, e in zip(starts, ends)]) for name in fields}
+    expected = {name: torch.cat([src.token[name][int(s):int(e)] for s, e in zip(starts, ends)]) for name in fields}
     return (torch.tensor(segments, dtype=torch.int64), torch.stack([starts, ends, out_offsets[:-1]], 1),
             torch.tensor(crcs, dtype=torch.int64), dests, expected)
 
@@ -66,8 +70,34 @@ def request(header, ref, rows, fields, dest_rows=None):
 @pytest.fixture
 def shard(tmp_path):
     path = tmp_path / "shard.trs"
-    header = write_shard(path)
-    return path, header, fmt.parse_shard(path.read_bytes())
+    header, src = write_shard(path)
+    return path, header, src
+
+
+def pages_touched(src, name, rows, page_size=PAGE):
+    """Block pages holding the bytes of `rows` of token field `name`, from the generated tensors
+    and the test's page size alone (not from the header the library wrote)."""
+    t = src.token[name]
+    row_bytes = t[0].numel() * t.element_size()
+    pages = set()
+    for r in rows:
+        a, b = int(src.offsets[r]) * row_bytes, int(src.offsets[r + 1]) * row_bytes
+        if b > a:
+            pages.update(range(a // page_size, (b - 1) // page_size + 1))
+    return pages
+
+
+def block_pages(src, name, page_size=PAGE):
+    t = src.token[name]
+    return max(1, -(-t.numel() * t.element_size() // page_size))
+
+
+def page_read_bytes(src, name, page, page_size=PAGE):
+    """Bytes a read of block page `page` takes: a whole page, except that the last one ends at the
+    block's 4 KiB-aligned padded end (the file pads each block to 4 KiB, not to a page)."""
+    t = src.token[name]
+    padded = -(-t.numel() * t.element_size() // 4096) * 4096
+    return min(page_size, padded - page * page_size)
 
 
 def run(path, segments, rows, crcs, dests, direct=False, threads=3):
@@ -90,25 +120,58 @@ FIELDS = ["tokens", "logprobs", "response_mask", "values", "routing"]
 
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_rows_bit_identical_to_python_decoder(shard, tmp_path, direct, threads):
+def test_rows_bit_identical_to_generated_tensors(shard, tmp_path, direct, threads):
+    """The reader returns the bytes of the tensors the test generated, and reads exactly the pages
+    that hold the requested rows: each such page once and verified, no other page, no other byte.
+
+    Shown to fail on mutations of torchreplay/storage/format.py (each reverted afterwards):
+    - `_as_bytes` encoding bfloat16 through float16 (`t.to(torch.float16).view(torch.int16)`):
+      the file holds wrong "values" bytes; parse_shard decodes the same wrong bytes, so the old
+      parse_shard reference passed; the generated tensors catch it (assert ... "values").
+    - `plan_shard` ignoring its page_size argument (`page_size = PAGE_SIZE`, 64 KiB pages): the
+      data still round-trips and the old `>=` lower bound passed, but the reader now reads whole
+      64 KiB pages, so the exact byte count below fails (e.g. rows [0]: 65536 != 4096 bytes).
+    """
     if direct and not supports_direct(tmp_path):
         pytest.skip(f"{tmp_path} does not support O_DIRECT")
-    path, header, ref = shard
+    path, header, src = shard
     for rows in ([0], [39], [3, 4, 5, 17, 30], list(range(40)), [1, 2, 38]):
-        segments, row_t, crcs, dests, expected = request(header, ref, rows, FIELDS)
+        segments, row_t, crcs, dests, expected = request(header, src, rows, FIELDS)
         status, state = run(path, segments, row_t, crcs, dests, direct, threads)
         assert (status[:, 0] == READ_OK).all(), status
         for name, out in zip(FIELDS, dests):
-            assert out.dtype == expected[name].dtype
+            assert out.dtype == src.token[name].dtype
             assert torch.equal(out.view(torch.uint8), expected[name].view(torch.uint8)), name
         assert not (state == PAGE_BAD).any()
-        # Bytes read are whole pages covering the rows, no more: every read page was verified.
-        assert int(status[:, 2].sum()) >= sum(e.numel() * e.element_size() for e in expected.values())
-        assert int((state == PAGE_OK).sum()) > 0
+        # Bytes read are the whole pages covering the rows, no more: pages are computed from the
+        # generated lengths, row sizes and the test's PAGE, each page counted once (adjacent and
+        # shared pages are coalesced, never read twice); every page read was verified, no other.
+        for i, name in enumerate(FIELDS):
+            pages = pages_touched(src, name, rows)
+            want = sum(page_read_bytes(src, name, p) for p in pages)
+            assert int(status[i, 2]) == want, (name, rows, int(status[i, 2]), want)
+            base = int(segments[i, 5])
+            got_state = state[base : base + block_pages(src, name)]
+            want_state = torch.full_like(got_state, PAGE_UNREAD)
+            want_state[sorted(pages)] = PAGE_OK
+            assert torch.equal(got_state, want_state), (name, rows)
+        assert int((state != PAGE_UNREAD).sum()) == sum(len(pages_touched(src, f, rows)) for f in FIELDS)
+
+
+def test_python_decoder_returns_the_generated_tensors(shard):
+    """parse_shard (the Python decoder) against the tensors written, not against itself."""
+    path, header, src = shard
+    got = fmt.parse_shard(path.read_bytes())
+    assert torch.equal(got.offsets, src.offsets)
+    assert got.token.keys() == src.token.keys() and got.rollout.keys() == src.rollout.keys()
+    for name, t in [*src.token.items(), *src.rollout.items()]:
+        out = got.token.get(name, got.rollout.get(name))
+        assert out.dtype == t.dtype and out.shape == t.shape, name
+        assert torch.equal(out.view(torch.uint8), t.view(torch.uint8)), name
 
 
 def test_storage_fetch_goes_through_the_reader(shard, tmp_path):
-    path, header, ref = shard
+    path, header, src = shard
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
     sid = storage.adopt(str(path))
     s = storage.shard(sid)
@@ -120,24 +183,24 @@ def test_storage_fetch_goes_through_the_reader(shard, tmp_path):
     assert len(calls) == 1
     for k, r in enumerate(rows.tolist()):
         a, b = int(batch.offsets[index[k]]), int(batch.offsets[index[k] + 1])
-        lo, hi = int(ref.offsets[r]), int(ref.offsets[r + 1])
+        lo, hi = int(src.offsets[r]), int(src.offsets[r + 1])
         for name in FIELDS:
-            assert torch.equal(batch.token[name][a:b].view(torch.uint8), ref.token[name][lo:hi].view(torch.uint8))
-        assert torch.equal(batch.rollout["reward"][index[k]], ref.rollout["reward"][r])
+            assert torch.equal(batch.token[name][a:b].view(torch.uint8), src.token[name][lo:hi].view(torch.uint8))
+        assert torch.equal(batch.rollout["reward"][index[k]], src.rollout["reward"][r])
     whole = storage.read_shard(sid)
     for name in FIELDS:
-        assert torch.equal(whole.token[name].view(torch.uint8), ref.token[name].view(torch.uint8))
+        assert torch.equal(whole.token[name].view(torch.uint8), src.token[name].view(torch.uint8))
     storage.close()
 
 
 def test_checksum_mismatch_is_reported_for_the_page_and_its_rows_not_copied(shard):
-    path, header, ref = shard
+    path, header, src = shard
     block = header.blocks["logprobs"]
     data = bytearray(path.read_bytes())
     bad_page = 2
     data[block.offset + bad_page * PAGE + 100] ^= 0x01
     path.write_bytes(bytes(data))
-    segments, rows, crcs, dests, _ = request(header, ref, list(range(40)), ["tokens", "logprobs"])
+    segments, rows, crcs, dests, _ = request(header, src, list(range(40)), ["tokens", "logprobs"])
     status, state = run(path, segments, rows, crcs, dests)
     assert status[0, 0] == READ_OK
     assert status[1, 0] == READ_CHECKSUM and status[1, 1] == bad_page
@@ -173,8 +236,8 @@ def test_corruption_seen_by_the_reader_evicts_through_the_buffer(tmp_path):
 
 
 def test_vanished_truncated_and_unreadable_files_are_reported(shard, tmp_path):
-    path, header, ref = shard
-    segments, rows, crcs, dests, _ = request(header, ref, [0, 39], ["tokens"])
+    path, header, src = shard
+    segments, rows, crcs, dests, _ = request(header, src, [0, 39], ["tokens"])
     status, _ = run(tmp_path / "missing.trs", segments, rows, crcs, dests)
     assert status[0, 0] == READ_OPEN and status[0, 1] == errno.ENOENT
     status, _ = run(tmp_path, segments, rows, crcs, dests)  # a directory: open works, pread fails
@@ -197,8 +260,8 @@ def test_vanished_truncated_and_unreadable_files_are_reported(shard, tmp_path):
     (lambda s, r, d: r.__setitem__((1, 2), 10**6), "does not fit"),
 ])
 def test_inconsistent_requests_are_refused_before_reading(shard, breakage, match):
-    path, header, ref = shard
-    segments, rows, crcs, dests, _ = request(header, ref, [0, 5], ["tokens"])
+    path, header, src = shard
+    segments, rows, crcs, dests, _ = request(header, src, [0, 5], ["tokens"])
     breakage(segments, rows, dests)
     before = dests[0].clone()
     with pytest.raises(ValueError, match=match):
@@ -207,8 +270,8 @@ def test_inconsistent_requests_are_refused_before_reading(shard, breakage, match
 
 
 def test_destination_too_small_is_refused(shard):
-    path, header, ref = shard
-    segments, rows, crcs, dests, _ = request(header, ref, [0, 5], ["tokens"], dest_rows=3)
+    path, header, src = shard
+    segments, rows, crcs, dests, _ = request(header, src, [0, 5], ["tokens"], dest_rows=3)
     with pytest.raises(ValueError, match="does not fit"):
         run(path, segments, rows, crcs, dests)
 
