@@ -12,22 +12,39 @@ from scipy import stats
 import torchreplay as tr
 from rollouts import make_batch
 
-P_MIN = 1e-3  # chi-square tests reject below this p-value; seeds are fixed, so results are too
+P_MIN = 1e-3  # chi-square tests (independent draws only) reject below this p-value; seeds are fixed
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit. Only for independent draws (GroupSampler's); stratified draws are
+    far more even than independent ones, so a chi-square on them passes wrong models too."""
     probs, counts = probs.double(), counts.double()
     expected = (probs / probs.sum() * counts.sum()).numpy()
     return stats.chisquare(counts.double().numpy(), expected).pvalue
 
 
-def draw_counts(buf: tr.RolloutBuffer, calls: int, batch: int, seed: int) -> torch.Tensor:
+def counts_per_call(buf: tr.RolloutBuffer, calls: int, batch: int, seed: int) -> torch.Tensor:
+    """[calls, capacity]: how often each slot was drawn in each `sample(batch)` call."""
     gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(buf.capacity)
-    for _ in range(calls):
-        b = buf.sample(batch, generator=gen)
-        counts += torch.bincount(b.handles.slot, minlength=buf.capacity).float()
-    return counts
+    return torch.stack([torch.bincount(buf.sample(batch, generator=gen).handles.slot, minlength=buf.capacity)
+                        for _ in range(calls)])
+
+
+def stratified_misses(counts: torch.Tensor, probs: torch.Tensor) -> int:
+    """How many (call, slot) pairs break the stratified guarantee under the model `probs` (per slot,
+    unnormalized, 0 for slots that must never be drawn).
+
+    A stratified draw of B puts one uniform in each of B equal strata of the priority mass, and
+    rollout i owns one interval of length E = B P(i) strata, so it is drawn between floor(E) - 1
+    and ceil(E) + 1 times in every call, and never when P(i) = 0. That holds deterministically, per
+    call, unlike a chi-square, whose independence assumption stratified draws break. The bounds are
+    widened by 1e-9 strata for rounding (only ever loosening them)."""
+    p = probs.double() / probs.double().sum()
+    expected = counts.sum(1, keepdim=True).double() * p
+    lo = torch.floor(expected - 1e-9) - 1
+    hi = torch.where(p > 0, torch.ceil(expected + 1e-9) + 1, torch.zeros_like(expected))
+    c = counts.double()
+    return int(((c < lo) | (c > hi)).sum())
 
 
 def state_equal(a: dict, b: dict) -> bool:
@@ -118,16 +135,34 @@ def test_ragged_input_formats_store_the_same_data():
 
 
 def test_tensordict_input_when_installed():
+    """A TensorDict batch (nested token fields, per-rollout tensors) is stored as given: read back
+    with `gather(count_use=False)`, every token field and per-rollout field matches the input.
+
+    Mutation seen failing: schema._ragged unbinding a nested tensor in reverse order (all nested
+    fields reversed alike, so counts and lengths still agree and the old count-only test passed)."""
     tensordict = pytest.importorskip("tensordict")
     batch = make_batch(4, seed=3)
+    batch["policy_version"] = torch.tensor([2, 0, 1, 2])
     td = tensordict.TensorDict(
         {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        | {k: torch.nested.nested_tensor(batch[k], layout=torch.jagged) for k in ("tokens", "logprobs", "response_mask")}
-        | {"policy_version": torch.zeros(4, dtype=torch.int64)},
+        | {k: torch.nested.nested_tensor(batch[k], layout=torch.jagged) for k in ("tokens", "logprobs", "response_mask")},
         batch_size=[4],
     )
-    buf = tr.RolloutBuffer(8)
-    assert len(buf.add(td)) == 4
+    buf = tr.RolloutBuffer(8, pad_token_id=-1)
+    handles = buf.add(td)
+    assert len(handles) == 4 and buf.version == 2
+    out = buf.gather(handles.slot, count_use=False)
+    assert out.handles.slot.tolist() == handles.slot.tolist()
+    for k in range(4):
+        n = batch["tokens"][k].numel()
+        assert torch.equal(out.tokens[k, :n], batch["tokens"][k])
+        assert torch.equal(out.logprobs[k, :n], batch["logprobs"][k])
+        assert torch.equal(out.response_mask[k, :n], batch["response_mask"][k])
+        assert int(out.attention_mask[k].sum()) == n and bool((out.tokens[k, n:] == -1).all())
+    for name in ("prompt_len", "reward", "advantage", "group_id", "policy_version"):
+        assert torch.equal(out.data[name], batch[name]), name
+    assert out.age.tolist() == [0, 2, 1, 0]
+    assert out.reuse.tolist() == [0] * 4 and buf.slots.reuse[handles.slot].tolist() == [0] * 4  # not counted
 
 
 def test_moe_routing_ids_use_the_narrowest_dtype():
@@ -194,11 +229,14 @@ def test_invalid_batch_raises_schema_error_and_changes_nothing(label, corrupt, m
     before = buf.state_dict()
     batch = make_batch(6, seed=8)
     corrupt(batch)
-    with pytest.raises(tr.SchemaError, match=match):
+    # Caught as a plain ValueError (what callers without torchreplay's types catch), and it is the
+    # SchemaError that names the field. Mutation seen failing: SchemaError not deriving from ValueError.
+    with pytest.raises(ValueError, match=match) as raised:
         buf.add(batch)
-    with pytest.raises(tr.SchemaError, match=match):
+    assert type(raised.value) is tr.SchemaError
+    with pytest.raises(ValueError, match=match) as raised:
         buf.compose(batch, replay_ratio=0.5)
-    assert isinstance(tr.SchemaError("x"), ValueError)
+    assert type(raised.value) is tr.SchemaError
     assert state_equal(buf.state_dict(), before)
 
 
@@ -244,20 +282,38 @@ def filled(sampler, n=40, seed=11, capacity=48, **kw) -> tuple[tr.RolloutBuffer,
 
 
 def test_uniform_sampler_is_uniform_over_live():
+    """Per `sample(4096)` call, each of the 40 live rollouts is drawn floor(E)-1..ceil(E)+1 times
+    (E = 4096 / 40) and no free slot ever. Mutation seen failing: UniformSampler.priority returning
+    `1 + 0.1 * (slots % 2)` (odd slots 10% likelier)."""
     buf, _ = filled(tr.UniformSampler())
-    counts = draw_counts(buf, 100, 256, seed=1)
-    assert counts[40:].sum() == 0
-    assert chi_square_p(counts[:40], torch.ones(40)) > P_MIN
+    live = torch.zeros(48)
+    live[:40] = 1
+    counts = counts_per_call(buf, 6, 4096, seed=1)
+    assert stratified_misses(counts, live) == 0
+    skewed = live.clone()
+    skewed[1:40:2] = 1.1  # the check has power: 10% off for half the rollouts is caught on the same draws
+    assert stratified_misses(counts, skewed) > 0
 
 
 @pytest.mark.parametrize("alpha", [0.6, 1.0])
 @pytest.mark.parametrize("weight_norm", ["buffer_max", "batch_max", "batch_mean"])
 def test_prioritized_sampler_frequencies_and_weights(alpha, weight_norm):
+    """Frequencies: per `sample(4096)` call, every rollout is drawn within the stratified bounds of
+    p = (|A| + eps) ** alpha, and the same draws break the bounds of alpha - 0.05 (0.55 when the
+    truth is 0.6). Mutation seen failing: PrioritizedSampler.base_priority using
+    `pow(self.alpha - 0.05)`."""
     sampler = tr.PrioritizedSampler(alpha=alpha, beta=0.5, eps=0.01, weight_norm=weight_norm)
     buf, batch = filled(sampler)
-    p = (batch["advantage"].double().abs() + 0.01) ** alpha
-    counts = draw_counts(buf, 100, 256, seed=2)
-    assert chi_square_p(counts[:40], p) > P_MIN
+
+    def model(a: float) -> torch.Tensor:
+        p = torch.zeros(48, dtype=torch.float64)
+        p[:40] = (batch["advantage"].double().abs() + 0.01) ** a
+        return p
+
+    counts = counts_per_call(buf, 6, 4096, seed=2)
+    assert stratified_misses(counts, model(alpha)) == 0
+    assert stratified_misses(counts, model(alpha - 0.05)) > 0, "a wrong alpha must be caught"
+    p = model(alpha)[:40]
     out = buf.sample(64, generator=torch.Generator().manual_seed(3))
     raw = (40 * p[out.handles.slot] / p.sum()) ** -0.5  # (N P_i)^-beta
     scale = {"buffer_max": (40 * p.min() / p.sum()) ** -0.5, "batch_max": raw.max(), "batch_mean": raw.mean()}
@@ -266,7 +322,9 @@ def test_prioritized_sampler_frequencies_and_weights(alpha, weight_norm):
 
 
 def test_freshness_sampler_decays_with_age_and_survives_rebase():
-    """p ~ (|A| + eps) * exp(-age / tau), before and across a rebase of the reference version."""
+    """p ~ (|A| + eps) * exp(-age / tau), before and across a rebase of the reference version,
+    checked per `sample(4096)` call against the stratified bounds; the same draws break the bounds
+    of tau * 1.1. Mutation seen failing: FreshnessSampler.priority dividing by `1.1 * self.tau`."""
     tau = 2.0
     sampler = tr.FreshnessSampler(alpha=1.0, beta=0.0, eps=0.01, tau=tau)
     buf = tr.RolloutBuffer(64, sampler=sampler)
@@ -278,33 +336,42 @@ def test_freshness_sampler_decays_with_age_and_survives_rebase():
     buf.advance(63)
     assert sampler.rebases == 0
 
-    def expected(now):
+    def expected(now, tau=tau):
+        p = torch.zeros(64, dtype=torch.float64)
         base = (adv.double().abs() + 0.01).repeat(len(versions) // 8)
-        return base * torch.exp(-(now - torch.tensor(versions)).double() / tau)
+        p[:len(versions)] = base * torch.exp(-(now - torch.tensor(versions)).double() / tau)
+        return p
 
-    n = len(versions)
-    assert chi_square_p(draw_counts(buf, 60, 256, seed=1)[:n], expected(63)) > P_MIN
+    counts = counts_per_call(buf, 4, 4096, seed=1)
+    assert stratified_misses(counts, expected(63)) == 0
+    assert stratified_misses(counts, expected(63, tau=1.1 * tau)) > 0, "a wrong tau must be caught"
     buf.advance(65)  # 65 - 0 > rebase_after * tau = 64: the reference moves, live leaves are rewritten
     assert sampler.rebases == 1 and sampler.t_ref == 64  # 65 rounded down to a multiple of 32 * tau
     buf.add(make_batch(8, version=65, seed=65, advantage=adv))
     versions += [65] * 8
-    n = len(versions)
-    assert chi_square_p(draw_counts(buf, 60, 256, seed=2)[:n], expected(65)) > P_MIN
+    counts = counts_per_call(buf, 4, 4096, seed=2)
+    assert stratified_misses(counts, expected(65)) == 0
+    assert stratified_misses(counts, expected(65, tau=1.1 * tau)) > 0
 
 
 def test_pnewest_sampler_takes_the_newest_then_uniform():
+    """The newest quarter heads every batch; the rest is a stratified uniform draw over the others
+    (checked per call against the stratified bounds). Mutation seen failing: PNewestSampler.sample
+    not excluding the newest from the uniform part (dropping `others[newest_t] = 0`)."""
     buf = tr.RolloutBuffer(64, sampler=tr.PNewestSampler(p=0.25))
     buf.add(make_batch(24, seed=14))
     newest = buf.add(make_batch(8, seed=15, version=1))
     gen = torch.Generator().manual_seed(4)
-    counts = torch.zeros(64)
+    counts = []
     for _ in range(200):
         out = buf.sample(32, generator=gen)
         head = out.handles.slot[:8]
         assert sorted(head.tolist()) == sorted(newest.slot.tolist())
-        counts += torch.bincount(out.handles.slot[8:], minlength=64).float()
-    assert counts[24:].sum() == 0, "the uniform part must exclude the newest"
-    assert chi_square_p(counts[:24], torch.ones(24)) > P_MIN
+        counts.append(torch.bincount(out.handles.slot[8:], minlength=64))
+    # The uniform part (a stratified draw of 24 over the other 24) must exclude the newest.
+    others = torch.zeros(64)
+    others[:24] = 1
+    assert stratified_misses(torch.stack(counts), others) == 0
 
 
 def test_group_sampler_picks_groups_then_members():
@@ -326,18 +393,43 @@ def test_group_sampler_picks_groups_then_members():
 
 
 def test_custom_sampler_plugs_in():
+    """A TreeSampler subclass whose priority really filters: 0 for every rollout behind the
+    buffer's current version. Those are never drawn, whether they fell behind when the version
+    moved or were added behind it; when nothing has a non-zero priority, sample raises.
+
+    Mutations seen failing: TreeSampler.changed_by_version returning no slots (rollouts keep
+    priority 1 after the version moves); TreeSampler.on_insert writing ones instead of
+    `priority(slots)`."""
+
     class NewestOnly(tr.TreeSampler):
         """Only rollouts at the buffer's current version."""
+
+        depends_on_version = True
 
         def priority(self, slots):
             return (self.slots.policy_version[slots] == self.slots.current_version).double()
 
     buf = tr.RolloutBuffer(32, sampler=NewestOnly())
-    buf.add(make_batch(8, version=0, seed=17))
-    latest = buf.add(make_batch(8, version=0, seed=18))
-    out = buf.sample(16, generator=torch.Generator().manual_seed(0))
-    assert set(out.handles.slot.tolist()) <= set(range(16))
-    assert isinstance(buf.sampler, tr.Sampler) and len(latest) == 8
+    assert isinstance(buf.sampler, tr.Sampler)
+    old = buf.add(make_batch(8, version=0, seed=17))
+    latest = buf.add(make_batch(8, version=1, seed=18))  # the version moves to 1: `old` falls to priority 0
+    late = buf.add(make_batch(4, version=0, seed=19))  # stored behind the version: priority 0 from the start
+    assert len(buf) == 20 and bool(buf.slots.live[torch.cat([old.slot, late.slot])].all())  # stored, not drawable
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(10):
+        out = buf.sample(64, generator=gen)
+        assert set(out.handles.slot.tolist()) <= set(latest.slot.tolist())
+        seen |= set(out.handles.slot.tolist())
+    assert seen == set(latest.slot.tolist())
+    assert buf.sampler.tree[torch.cat([old.slot, late.slot])].tolist() == [0.0] * 12
+    newest = buf.add(make_batch(4, version=2, seed=20))  # now `latest` is behind too
+    out = buf.sample(64, generator=gen)
+    assert set(out.handles.slot.tolist()) == set(newest.slot.tolist())
+    buf.advance(3)  # everything is behind: nothing is drawable
+    with pytest.raises(ValueError, match="non-zero priority"):
+        buf.sample(1, if_short="truncate")
+    assert len(buf) == 24
 
 
 # ---------------------------------------------------------------------- staleness and reuse
@@ -428,6 +520,9 @@ def test_eviction_orders_stay_bounded_without_advance(max_staleness):
 
 
 def test_stale_handles_are_ignored_and_counted():
+    """Handles whose slot was reused are ignored and counted; the live ones' new priorities drive the
+    draws (per-call stratified bounds). Mutation seen failing: TreeSampler.on_priority not writing
+    the tree (draws stay uniform while the table says [1, 1, 5, 5])."""
     buf = tr.RolloutBuffer(4, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.0, eps=1e-6))
     old = buf.add(make_batch(4, seed=37, advantage=torch.ones(4)))
     buf.add(make_batch(2, seed=38, advantage=torch.ones(2)))  # evicts and reuses slots 0, 1
@@ -435,8 +530,9 @@ def test_stale_handles_are_ignored_and_counted():
     assert applied == 2
     assert buf.metrics()["stale_handle_updates"] == 2
     assert buf.slots.advantage.tolist() == [1.0, 1.0, 5.0, 5.0]
-    counts = draw_counts(buf, 50, 200, seed=6)
-    assert chi_square_p(counts, torch.tensor([1.0, 1.0, 5.0, 5.0])) > P_MIN
+    counts = counts_per_call(buf, 50, 200, seed=6)  # p = |A| + eps (alpha 1, eps 1e-6)
+    assert stratified_misses(counts, torch.tensor([1.0, 1.0, 5.0, 5.0], dtype=torch.float64) + 1e-6) == 0
+    assert stratified_misses(counts, torch.tensor([100.0, 100.0, 5.0, 5.0], dtype=torch.float64)) > 0
 
 
 def test_update_priorities_validation():
