@@ -1,5 +1,6 @@
 """SegmentTree and the torchreplay tree ops, against a NumPy float64 reference."""
 
+import io
 import math
 
 import numpy as np
@@ -211,17 +212,38 @@ def splitmix64_uniforms(seed: int, n: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-def test_counter_uniforms_are_uniform():
-    """The CPU sample(B) stream: a chi-square test of 100k draws in 100 bins (fixed seed; the 0.1%
-    critical value for 99 degrees of freedom is 148.2) and a lag-1 correlation within 4 sigma."""
-    u = splitmix64_uniforms(12345, 100_000)
-    counts = torch.histc(u, bins=100, min=0.0, max=1.0)
-    expected = 1000.0
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 148.2, chi2
-    x = u - 0.5
+def test_seeded_cpu_stream_is_uniform_and_is_counter_uniform():
+    """The library's CPU `sample(B, generator=...)` stream, not the helper above: a tree of 2^16
+    leaves of priority 1 maps a uniform u to leaf floor(u * 2^16) exactly (every prefix sum is an
+    integer), so the sampled indices expose the op's uniforms to 16 bits. 100k non-stratified draws:
+    a chi-square over 64 bins (reject below p = 1e-3), a lag-1 correlation within 4 sigma, then index
+    for index the floor of the Python reference of counter_uniform (seed drawn from the same
+    generator), non-stratified and stratified.
+
+    Mutation checked: dropping SplitMix64's two xor-shift-multiply rounds from counter_uniform in
+    csrc/segment_tree.h (leaving the Weyl counter, which is evenly spread but serially correlated)
+    fails here on the lag-1 correlation (-0.42). test_seeded_sample_op and
+    test_cpu_fast_paths_match_the_checked_paths, which compare the op with the same helper, fail on
+    it too, but nothing else tests the library stream's statistics."""
+    leaves, n = 1 << 16, 100_000
+    t = tr.SegmentTree(leaves, dtype=torch.float32)
+    t.update(torch.arange(leaves), torch.ones(leaves))
+    idx, prio = t.sample(n, generator=torch.Generator().manual_seed(2024), stratified=False)
+    assert idx.shape == (n,) and bool((prio == 1).all())
+    counts = torch.bincount(idx >> 10, minlength=64).numpy()
+    assert counts.sum() == n
+    pvalue = stats.chisquare(counts).pvalue
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.2e}"
+    x = (idx.double() + 0.5) / leaves - 0.5
     corr = float((x[1:] * x[:-1]).mean() / x.var())
-    assert abs(corr) < 4 / 100_000 ** 0.5, corr
+    assert abs(corr) < 4 / n**0.5, f"lag-1 correlation {corr:.4f}"
+    # The same draws, predicted from the seed the documented 62-bit draw takes from the generator.
+    seed = int(torch.randint(0, 1 << 62, (), generator=torch.Generator().manual_seed(2024)))
+    u = splitmix64_uniforms(seed, n).numpy()
+    np.testing.assert_array_equal(idx.numpy(), np.floor(u * leaves).astype(np.int64))
+    strat, _ = t.sample(n, generator=torch.Generator().manual_seed(2024), stratified=True)
+    expect = np.floor((np.arange(n) + u) / n * leaves).astype(np.int64)
+    np.testing.assert_array_equal(strat.numpy(), expect)
 
 
 def test_seeded_sample_op():
@@ -374,10 +396,108 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
 
 
-def test_to_device_round_trip_on_cpu():
-    t = _sample_args(torch.float32)
-    assert t.to("cpu") is t
-    assert t.device.type == "cpu"
+def _round_trip_tree(dtype, device="cpu"):
+    """Skewed priorities with dead leaves, so total, min and sampling all have something to lose."""
+    g = torch.Generator().manual_seed(11)
+    p = (torch.rand(300, generator=g, dtype=torch.float64) ** 3 + 1e-4).to(dtype)
+    p[::5] = 0
+    t = tr.SegmentTree(300, dtype=dtype, device=device)
+    t.update(torch.arange(300, device=device), p.to(device))
+    return t
+
+
+def _observe(t):
+    """What a round trip must keep: leaves, total, min, and draws for a fixed generator and u."""
+    u = torch.rand(97, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).to(t.device)
+    draws = [t.sample(u=u, stratified=s) for s in (True, False)]
+    if t.device.type == "cpu":  # the seeded CPU stream; CUDA draws torch.rand on the device instead
+        draws += [t.sample(64, generator=torch.Generator().manual_seed(9), stratified=s) for s in (True, False)]
+    return (t.priorities.cpu().clone(), t.dtype, t.total().item(), t.min().item(),
+            [(i.cpu(), p.cpu()) for i, p in draws])
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype, "priorities changed"
+    assert got[1] == want[1]
+    assert got[2] == want[2], "total changed"
+    assert got[3] == want[3], "min changed"
+    for (gi, gp), (wi, wp) in zip(got[4], want[4]):
+        assert torch.equal(gi, wi) and torch.equal(gp, wp), "a draw changed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_and_state_dict_round_trip_on_cpu(dtype):
+    """State survives `.to()` and `state_dict()` -> `torch.save`/`torch.load` -> `load_state_dict()`:
+    leaves (and their dtype), total, min, and the draws of the same generator and u, bitwise; the
+    saved state is a copy that later updates do not reach.
+
+    Mutations checked: `to()` moving the leaves as float32 (`self._leaves.to(device, torch.float32)`)
+    fails the float64 case; `state_dict()` without `.clone()` (the state aliases the live leaves)
+    fails both. The old test (`t.to("cpu") is t`) passed both."""
+    t = _round_trip_tree(dtype)
+    want = _observe(t)
+    assert t.to("cpu") is t and t.device.type == "cpu"  # in place, like nn.Module.to
+    _assert_same(_observe(t), want)
+    assert t.to(torch.device("cpu")) is t
+    _assert_same(_observe(t), want)
+
+    state = t.state_dict()
+    buf = io.BytesIO()
+    torch.save(t.state_dict(), buf)
+    t.update(torch.arange(300), torch.ones(300, dtype=dtype))  # must not reach either saved state
+    buf.seek(0)
+    for s in (state, torch.load(buf)):
+        fresh = tr.SegmentTree(300, dtype=dtype)
+        fresh.load_state_dict(s)
+        _assert_same(_observe(fresh), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_and_state_dict_round_trip_through_cuda(dtype):
+    """CPU -> CUDA -> CPU, and a CUDA tree's state loaded into a CPU tree, keep leaves, total, min and
+    the draws for the same u (the back ends sample identically, see test_cuda_matches_cpu_...)."""
+    t = _round_trip_tree(dtype)
+    want = _observe(t)
+    assert t.to("cuda") is t and t.device.type == "cuda"
+    on_gpu = _observe(t)
+    _assert_same(on_gpu, (want[0], want[1], want[2], want[3], want[4][:2]))
+    assert isinstance(t.state_dict()["priorities"], torch.Tensor) and t.state_dict()["priorities"].device.type == "cpu"
+    fresh = tr.SegmentTree(300, dtype=dtype)
+    fresh.load_state_dict(t.state_dict())
+    _assert_same(_observe(fresh), want)
+    assert t.to("cpu") is t and t.device.type == "cpu"
+    _assert_same(_observe(t), want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_total_and_min_are_0dim_float64_on_the_tree_device(dtype, device):
+    """docs/api.md: `total()` and `min()` are 0-dim float64 tensors on the tree's device; min is +inf
+    for an empty tree (also after every leaf is killed) and the smallest positive priority otherwise.
+
+    Mutations checked: `total()` returning the leaf dtype (`ops.tree_total(self._sums).to(self.dtype)`)
+    fails the float32 case; `min()` returning shape (1,) (`.reshape(1)`) fails every case."""
+
+    def check(t, total, lowest):
+        for got in (t.total(), t.min()):
+            assert isinstance(got, torch.Tensor)
+            assert got.dim() == 0 and got.shape == ()
+            assert got.dtype == torch.float64
+            assert got.device == t.device
+        assert t.total().item() == pytest.approx(total, rel=1e-15, abs=0)  # one summation tree's rounding
+        assert t.min().item() == lowest  # a minimum is exact
+
+    t = tr.SegmentTree(50, dtype=dtype, device=device)
+    check(t, 0.0, math.inf)
+    pr = torch.tensor([0.0, 3.5, 0.1, 1e-30, 7.0, 0.0], dtype=dtype)
+    t.update(torch.tensor([0, 10, 20, 30, 40, 49], device=device), pr.to(device))
+    stored = pr.double()  # 0.1 and 1e-30 as the leaf dtype holds them
+    check(t, math.fsum(stored.tolist()), stored[stored > 0].min().item())
+    t.update(torch.tensor([30], device=device), torch.tensor([0.0], dtype=dtype, device=device))
+    check(t, math.fsum(stored.tolist()) - stored[3].item(), stored[2].item())
+    t.update(torch.arange(50, device=device), torch.zeros(50, dtype=dtype, device=device))
+    check(t, 0.0, math.inf)
 
 
 @pytest.mark.cuda

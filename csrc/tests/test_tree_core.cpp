@@ -81,9 +81,24 @@ void test_layout() {
     for (int d = 0; d <= L.depth; ++d) CHECK(L.level_offset[d] % kArity == 0, "level %d starts a group", d);
     for (int d = 1; d < L.depth; ++d) {
       CHECK(L.level_size[d] % kArity == 0, "level %d padded", d);
-      CHECK(L.level_size[d] >= L.level_size[d - 1] * 1, "levels grow");
       CHECK(L.level_size[d] >= (cap + cover_of_level(L, d) - 1) / cover_of_level(L, d), "level %d covers", d);
+      // Levels tile the flat array: level d starts where level d - 1 ends, so no two overlap.
+      // (Mutation checked: `offset += kArity` instead of `offset += stored` in make_layout overlaps
+      // the levels yet keeps every offset a multiple of K: this check and the node count below fail
+      // on it, every older layout check passes, and the later tests then crash.)
+      CHECK(L.level_offset[d] == L.level_offset[d - 1] + L.level_size[d - 1], "cap=%lld: level %d overlaps %d",
+            (long long)cap, d, d - 1);
+      // Every stored node of level d - 1 has its whole group of K children stored at level d.
+      CHECK(L.level_size[d] >= L.level_nodes[d - 1] * kArity, "cap=%lld: level %d holds its parents' groups",
+            (long long)cap, d);
     }
+    CHECK(L.internal_nodes == L.level_offset[L.depth] &&
+              L.level_offset[L.depth] == L.level_offset[L.depth - 1] + L.level_size[L.depth - 1],
+          "cap=%lld: internal node count", (long long)cap);
+    CHECK(L.padded_leaves >= L.level_nodes[L.depth - 1] * kArity, "cap=%lld: leaf groups", (long long)cap);
+    // The fewest levels that cover the leaves: one fewer would not. (Mutation checked: `span <= capacity`
+    // in make_layout adds a level at cap = 8 and 64; only this check fails on it.)
+    CHECK(L.depth == 1 || cover_of_level(L, 1) < cap, "cap=%lld: depth %d is not minimal", (long long)cap, L.depth);
   }
 }
 
@@ -188,14 +203,20 @@ void test_batched_sample_matches_descend(int64_t capacity, uint32_t seed) {
   for (int64_t i = 0; i < capacity; ++i) {
     idx[i] = i;
     const uint64_t kind = rng() % 8;
-    const bool dead_run = (i / 37) % 5 == 0;
+    // Dead runs start at leaf 37 (not 0), so capacities 1 and 9 have live leaves among dead ones
+    // too; the last leaf is always live, so no capacity gives an empty tree (which sample() rules
+    // out). Before this, capacities 1 and 9 were all dead and 4 of main()'s 14 calls checked nothing.
+    const bool dead_run = (i / 37) % 5 == 1;
     pr[i] = dead_run || kind == 0 ? scalar_t(0)
             : kind == 1           ? static_cast<scalar_t>(1e-30)
             : kind == 2           ? static_cast<scalar_t>(1e30)
                                   : static_cast<scalar_t>(unit(rng) * 10.0);
+    if (i == capacity - 1 && !(pr[i] > 0)) pr[i] = static_cast<scalar_t>(1.0 + unit(rng));
   }
   cpu::update(t.L, t.leaves.data(), t.sums.data(), t.mins.data(), idx.data(), pr.data(), capacity, SerialFor{});
+  CHECK(t.sums[0] > 0, "cap %lld: the test built an empty tree", (long long)capacity);
   if (!(t.sums[0] > 0)) return;
+  int64_t checked = 0;
   for (int64_t B : {1LL, 7LL, 33LL, 1000LL, 20000LL}) {
     for (bool stratified : {true, false}) {
       std::vector<double> u(B);
@@ -214,9 +235,14 @@ void test_batched_sample_matches_descend(int64_t capacity, uint32_t seed) {
         CHECK(ok, "cap %lld B %lld stratified %d sample %lld: batched %lld, descend %lld", (long long)capacity,
               (long long)B, stratified, (long long)k, (long long)out[k], (long long)want);
         bad += !ok;
+        ++checked;
       }
     }
   }
+  // (Mutation checked: cpu::sample returning leaves[node[k] + 1] as the priority fails here at every
+  // capacity, caps 1 and 9 included.)
+  CHECK(checked == 2 * (1 + 7 + 33 + 1000 + 20000), "cap %lld: %lld samples checked", (long long)capacity,
+        (long long)checked);
 }
 
 // Chunked, threaded updates (sorted sampled indices and unsorted ones with duplicates) must leave
