@@ -8,7 +8,7 @@ and pinned, immutable shards, so it may run on a prefetch thread.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -155,6 +155,24 @@ class BatchAssembler:
         self.pad_token_id = pad_token_id
         self._arenas: dict[str, torch.Tensor] = {}
         self._prefetch_stream = None
+        self._prefetcher: ThreadPoolExecutor | None = None
+
+    def start(self, plan: Plan, inline: bool) -> Future:
+        """Materialize `plan` now (inline) or on the prefetch thread; the result as a Future."""
+        if not inline:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
+            return self._prefetcher.submit(self.materialize_ahead, plan)
+        future: Future = Future()
+        try:
+            future.set_result(self.materialize(plan))
+        except BaseException as exc:  # noqa: BLE001 - handed to PendingBatch.result
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
 
     def home_for(self, device: torch.device | str | None) -> torch.device | None:
         """The storage's device if a batch bound for `device` should be put together there (device

@@ -8,18 +8,18 @@ leaves the buffer as it was.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from torchreplay import snapshot
-from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat, subset
+from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
 from torchreplay.samplers import PrioritizedSampler, Sampler
-from torchreplay.schema import FieldSpec, PackedBatch, default_fields, validate_batch
+from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
+from torchreplay.shards import ShardKeeper
 from torchreplay.slots import TABLE_FIELDS, SlotTable
+from torchreplay.snapshot import BufferConfig, Persistence
 from torchreplay.storage import CorruptRows, TieredStorage
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["RolloutBuffer", "PendingBatch", "Handles", "ReplayBatch"]
 
 
-class RolloutBuffer:
+class RolloutBuffer(Persistence):
     """Stores rollouts individually and samples them for replay.
 
     Args:
@@ -75,36 +75,22 @@ class RolloutBuffer:
         seed: int | None = None,
         token_dtype: torch.dtype = torch.int64,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
-        check_cap("max_staleness", max_staleness)
-        check_cap("max_reuse", max_reuse)
-        for name, value, allowed in (("overflow", overflow, ("evict_oldest", "raise")),
-                                     ("on_corrupt", on_corrupt, ("raise", "skip")),
-                                     ("padding_side", padding_side, ("left", "right"))):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        self.settings = BufferConfig(capacity, max_staleness, max_reuse, overflow, padding_side, pad_token_id,
+                                     ref_logprobs, routing, extra_fields, on_corrupt, token_dtype)
         if storage is not None and not isinstance(storage, TieredStorage):
             raise TypeError(f"storage must be a TieredStorage, got {type(storage).__name__}")
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
-            raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")
         sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(sampler, Sampler):
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(sampler).__name__}")
-        self.capacity = capacity
-        self.overflow, self.padding_side, self.pad_token_id, self.on_corrupt = overflow, padding_side, pad_token_id, on_corrupt
-        self.fields: dict[str, FieldSpec] = default_fields(ref_logprobs, routing, extra_fields, token_dtype)
-        self._schema_args = {"ref_logprobs": ref_logprobs, "routing": list(routing) if routing else None,
-                             "token_dtype": str(token_dtype).removeprefix("torch."),
-                             "extra_fields": sorted(extra_fields or {})}
+        self.capacity, self.overflow, self.on_corrupt = capacity, overflow, on_corrupt
+        self.padding_side, self.pad_token_id = padding_side, pad_token_id
+        self.fields: dict[str, FieldSpec] = self.settings.fields()
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
-        self.storage = storage if storage is not None else TieredStorage()
-        self.assembler = BatchAssembler(self.storage, self.fields, padding_side, self.pad_token_id)
+        self.shards = ShardKeeper(storage if storage is not None else TieredStorage())
+        self.assembler = BatchAssembler(self.storage, self.fields, padding_side, pad_token_id)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self.checkpointer = None
         if checkpoint is not None:
             from torchreplay.checkpoint import Checkpointer
 
@@ -136,6 +122,19 @@ class RolloutBuffer:
         self.ledger.max_reuse = check_cap("max_reuse", value)
 
     @property
+    def storage(self) -> TieredStorage:
+        return self.shards.storage
+
+    @property
+    def checkpointer(self) -> "Checkpointer | None":
+        """Where shards and manifests go (None: no checkpoints)."""
+        return self.shards.checkpointer
+
+    @checkpointer.setter
+    def checkpointer(self, value: "Checkpointer | None") -> None:
+        self.shards.checkpointer = value
+
+    @property
     def slots(self) -> SlotTable:
         """The slot table (read-only for callers: per-slot metadata of the live rollouts)."""
         return self.ledger.slots
@@ -158,18 +157,18 @@ class RolloutBuffer:
         """
         packed = validate_batch(batch, self.fields, copy=self.storage.copy_in)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
-        self._tick()
+        self.shards.tick()
         return self._insert(packed)
 
     def _insert(self, packed: PackedBatch) -> Handles:
         """Store `packed`: write its shard first (the step that can fail on I/O), then commit it
         to the ledger, which undoes itself if a hook fails; the shard goes again in that case."""
-        shard = self._put_shard(PackedBatch(n=packed.n, offsets=packed.offsets, token=packed.token,
+        shard = self.shards.put(PackedBatch(n=packed.n, offsets=packed.offsets, token=packed.token,
                                             rollout={k: v for k, v in packed.rollout.items() if k not in TABLE_FIELDS}))
         try:
             slots, released = self.ledger.insert(packed.rollout, packed.n, shard, self.overflow == "evict_oldest")
         except BaseException:
-            self._release_shard(shard, packed.n)
+            self.shards.release(shard, packed.n)
             raise
         self._release(released)
         return Handles(slots, self.slots.generation[slots].clone())
@@ -184,40 +183,22 @@ class RolloutBuffer:
         if not self.version <= policy_version < MAX_VERSION:
             raise ValueError(f"policy_version must not go backwards and must be < 2**62: {policy_version}, "
                              f"current {self.version}")
-        self._tick()
+        self.shards.tick()
         # Compaction first: it moves rows between shards but changes nothing a caller can see, so
         # an I/O error from it leaves the version where it was.
-        for shard_id in self.storage.compaction_candidates():
-            self._compact(shard_id)
+        self.shards.compact(self.slots, self._evict_corrupt_quietly)
         evicted, released = self.ledger.advance(policy_version)
         self._release(released)
         return evicted
 
-    def _compact(self, shard_id: int) -> None:
-        """Rewrite a mostly dead shard's live rows into a new shard, so its file and memory go."""
-        t = self.slots
-        slots = ((t.chunk == shard_id) & t.live).nonzero().flatten()
-        shard = self.storage.shard(shard_id)
-        self.storage.pin_shards([shard_id])
+    def _evict_corrupt_quietly(self, exc: CorruptRows) -> None:
         try:
-            batch, index = self.storage.fetch(shard, t.row[slots], list(shard.token_fields))
-        except CorruptRows as exc:
-            self.storage.unpin_shards([shard])
-            try:
-                self._evict_corrupt(exc)
-            except StorageError:
-                pass
-            return
-        self.storage.unpin_shards([shard])
-        new_id = self._put_shard(subset(batch, index))
-        t.chunk[slots] = new_id
-        t.row[slots] = torch.arange(slots.numel())
-        self._release_shard(shard_id, slots.numel())
-        self.storage.counters["compactions"] += 1
+            self._evict_corrupt(exc)
+        except StorageError:
+            pass  # counted; the caller (compaction) goes on with the other shards
 
     def _release(self, released: Released) -> None:
-        for shard_id, rows in released:
-            self._release_shard(shard_id, rows)
+        self.shards.release_all(released)
 
     # ---------------------------------------------------------------------------------- sampling
     def sample(self, batch_size: int, device: torch.device | str | None = None,
@@ -245,7 +226,7 @@ class RolloutBuffer:
         check_short(if_short)
         if len(self) == 0:
             raise ValueError("cannot sample: the buffer is empty")
-        self._tick()
+        self.shards.tick()
         generator = generator if generator is not None else self.generator
         slots, weights = self.ledger.draw(batch_size, generator, torch.empty(0, dtype=torch.int64), if_short)
         if slots.numel() == 0:
@@ -255,16 +236,7 @@ class RolloutBuffer:
         self.ledger.counters["sampled_replay"] += slots.numel()
         self.ledger.counters["sample_calls"] += 1
         self._record_use(slots, weights, weights)
-        if _inline:
-            future: Future = Future()
-            try:
-                future.set_result(self.assembler.materialize(plan))
-            except BaseException as exc:  # noqa: BLE001 - handed to PendingBatch.result
-                future.set_exception(exc)
-        else:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchreplay-prefetch")
-            future = self._prefetcher.submit(self.assembler.materialize_ahead, plan)
+        future = self.assembler.start(plan, inline=_inline)
 
         def redraw(exc: CorruptRows) -> ReplayBatch:
             self._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
@@ -325,7 +297,7 @@ class RolloutBuffer:
         packed = validate_batch(fresh, self.fields, copy=self.storage.copy_in)
         count = replay_count(packed.n, replay_ratio, n_replay, multiple_of)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
-        self._tick()
+        self.shards.tick()
         generator = generator if generator is not None else self.generator
         version = max(self.version, int(packed.rollout["policy_version"].max()))
         state, old_version = generator.get_state(), self.version
@@ -379,13 +351,11 @@ class RolloutBuffer:
     def _evict_corrupt(self, exc: CorruptRows, always_raise: bool = False) -> None:
         """Evict the live rollouts stored in the unreadable rows; raise unless on_corrupt='skip'
         (a caller that asked for specific slots always gets the error)."""
-        t = self.slots
-        hit = ((t.chunk == exc.shard_id) & t.live).nonzero().flatten()
-        hit = hit[torch.isin(t.row[hit], torch.tensor(exc.rows, dtype=torch.int64))]
-        self._release(self.ledger.evict(hit, "corrupt"))
-        self.storage.counters["corrupt_rows"] += hit.numel()
+        hit, released = self.ledger.evict_rows(exc.shard_id, exc.rows)
+        self._release(released)
+        self.storage.counters["corrupt_rows"] += hit
         if always_raise or self.on_corrupt == "raise" or len(self) == 0:
-            raise StorageError(f"{exc}; {hit.numel()} rollout(s) evicted, the rest of the buffer is intact") from exc
+            raise StorageError(f"{exc}; {hit} rollout(s) evicted, the rest of the buffer is intact") from exc
 
     def _record_use(self, slots: torch.Tensor, weights: torch.Tensor | None,
                     replay_weights: torch.Tensor | None) -> None:
@@ -402,11 +372,6 @@ class RolloutBuffer:
             raise TypeError(f"handles must be Handles (from add/sample), got {type(handles).__name__}")
         return self.ledger.set_advantages(handles.slot, handles.generation, advantages)
 
-    def carry_reuse(self, handles: Handles, reuse: torch.Tensor) -> None:
-        """Set use counts carried over from another run (`import_checkpoint(keep_reuse=True)`);
-        rollouts already at max_reuse are evicted."""
-        self._release(self.ledger.carry_reuse(handles.slot, reuse.to(torch.int64)))
-
     def metrics(self) -> dict[str, float]:
         """A flat dict of numbers for a logger: size, bytes, capacity, age and reuse histograms,
         the effective sample size of the last returned batch's IS weights (fraction of the batch),
@@ -414,106 +379,11 @@ class RolloutBuffer:
         fresh/replay counts, storage figures."""
         return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), **self.storage.metrics()}
 
-    # ------------------------------------------------------------------------------------- state
-    def config(self) -> dict[str, Any]:
-        """The arguments that shape this buffer's behaviour, as plain values (checkpoints record it)."""
-        return {"capacity": self.capacity, "max_staleness": self.max_staleness, "max_reuse": self.max_reuse,
-                "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
-                **self._schema_args}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
-        return snapshot.full_state(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`. Validates everything before changing anything."""
-        sizes = snapshot.chunk_sizes(state)
-        self.load_state(state, sizes, lambda cid: self._put_shard(snapshot.chunk_batch(state, cid, sizes[cid])))
-
-    def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
-        """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
-        gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
-        self._tick()  # a pending spill error surfaces now, not halfway through storing the chunks
-        self._release(snapshot.adopt(self, state, chunk_rows, store_chunk, self._release_shard))
-        self._release(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
-
-    # -------------------------------------------------------------------------------- durability
-    def _put_shard(self, batch: PackedBatch) -> int:
-        sid = self.storage.put(batch)
-        if self.checkpointer is not None:
-            self.checkpointer.shard_sealed(sid)
-        return sid
-
-    def _release_shard(self, shard_id: int, rows: int) -> None:
-        if self.storage.release(shard_id, rows) and self.checkpointer is not None:
-            self.checkpointer.shard_released(shard_id)
-
-    def _tick(self) -> None:
-        """Surface background failures, and publish a manifest when one is due."""
-        self.storage.check()
-        if self.checkpointer is not None:
-            self.checkpointer.check()
-            self.checkpointer.maybe_publish()
-
-    def checkpoint(self, timeout: float | None = None) -> None:
-        """Publish a manifest now and return once it is durable."""
-        if self.checkpointer is None:
-            raise ValueError("this buffer has no checkpointer: pass checkpoint=Checkpointer(uri) to RolloutBuffer")
-        self.checkpointer.publish(wait=True, timeout=timeout)
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        uri: str,
-        *,
-        endpoint_url: str | None = None,
-        sampler: Sampler | None = None,
-        storage: TieredStorage | None = None,
-        checkpoint: "Checkpointer | bool" = False,
-        lazy: bool = False,
-        progress: bool = True,
-        manifest: str | None = None,
-        **kwargs: Any,
-    ) -> "RolloutBuffer":
-        """Restore a buffer from the last published manifest under `uri`.
-
-        Slots, generations, advantages (priorities are recomputed from them), policy versions,
-        reuse counts, sampler and RNG state come back exactly. Shards are fetched eagerly (with a
-        progress bar) or, with `lazy=True` and a cold tier, on demand: only each shard's header
-        and per-rollout fields are read at restore, its file is downloaded the first time a
-        sample (or prefetch) needs its tokens.
-        `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
-        Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
-        `manifest` names a specific manifest key (default: the newest, via LATEST).
-        """
-        from torchreplay.checkpoint.restore import restore
-
-        return restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
-                       checkpoint=checkpoint, lazy=lazy, progress=progress, manifest_key=manifest, **kwargs)
-
-    def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
-                          reprioritize=None, progress: bool = False, select=None,
-                          keep_reuse: bool = False) -> Handles:
-        """Seed this buffer with another run's rollouts (read-only: nothing there is changed).
-
-        Policy versions are shifted by `version_offset`; `reprioritize(batch: dict) -> advantages`
-        may replace their advantages (e.g. rescored by the current critic). `select(i, n)` takes
-        only some of the checkpoint's n shards (e.g. one rank's share); `keep_reuse` carries use
-        counts over. Returns the new rollouts' handles."""
-        from torchreplay.checkpoint.restore import import_rollouts
-
-        return import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
-                               reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse)
-
+    # ---------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish background work (spills, prefetch), publish a final checkpoint, release files."""
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-        try:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-        finally:
-            self.storage.close()
+        self.assembler.close()
+        self.shards.close()
 
     def __enter__(self) -> "RolloutBuffer":
         return self

@@ -185,6 +185,13 @@ class Ledger:
         self.counters[f"evicted_{reason}"] += slots.numel()
         return self._kill(slots)
 
+    def evict_rows(self, shard_id: int, rows: list[int]) -> tuple[int, Released]:
+        """Evict the live rollouts stored in these rows of a shard (found unreadable)."""
+        t = self.slots
+        hit = ((t.chunk == shard_id) & t.live).nonzero().flatten()
+        hit = hit[torch.isin(t.row[hit], torch.tensor(rows, dtype=torch.int64))]
+        return hit.numel(), self.evict(hit, "corrupt")
+
     def set_version(self, version: int) -> None:
         """Move the version and tell the sampler; if its hook raises, the version stays."""
         old = self.slots.version

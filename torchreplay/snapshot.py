@@ -3,17 +3,147 @@ read and write, and its validation before anything is adopted."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from torchreplay.schema import PackedBatch
+from torchreplay.ledger import check_cap
+from torchreplay.schema import FieldSpec, PackedBatch, default_fields
 from torchreplay.slots import SlotTable
 
 if TYPE_CHECKING:
+    from torchreplay.assembly import Handles
     from torchreplay.buffer import RolloutBuffer
+    from torchreplay.checkpoint import Checkpointer
+    from torchreplay.samplers import Sampler
+    from torchreplay.storage import TieredStorage
 
 STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """The arguments that shape a buffer's behaviour, validated once (ValueError/TypeError naming
+    the argument). Checkpoints record `as_dict()`; the caps may later change on the buffer."""
+
+    capacity: int
+    max_staleness: int | None = None
+    max_reuse: int | None = None
+    overflow: str = "evict_oldest"
+    padding_side: str = "right"
+    pad_token_id: int = 0
+    ref_logprobs: bool = False
+    routing: tuple[int, int, int] | None = None
+    extra_fields: Mapping[str, FieldSpec] | None = None
+    on_corrupt: str = "raise"
+    token_dtype: torch.dtype = torch.int64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {self.capacity!r}")
+        check_cap("max_staleness", self.max_staleness)
+        check_cap("max_reuse", self.max_reuse)
+        for name, allowed in (("overflow", ("evict_oldest", "raise")), ("on_corrupt", ("raise", "skip")),
+                              ("padding_side", ("left", "right"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
+            raise TypeError(f"pad_token_id must be an int, got {self.pad_token_id!r}")
+
+    def fields(self) -> dict[str, FieldSpec]:
+        return default_fields(self.ref_logprobs, self.routing, self.extra_fields, self.token_dtype)
+
+    def as_dict(self, max_staleness: int | None, max_reuse: int | None) -> dict[str, Any]:
+        """Plain values for a checkpoint, with the caps as they are now. Extra fields' specs are
+        not recorded (only their names): a restore needs `extra_fields=` passed in."""
+        return {"capacity": self.capacity, "max_staleness": max_staleness, "max_reuse": max_reuse,
+                "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
+                "ref_logprobs": self.ref_logprobs, "routing": list(self.routing) if self.routing else None,
+                "token_dtype": str(self.token_dtype).removeprefix("torch."),
+                "extra_fields": sorted(self.extra_fields or {})}
+
+
+class Persistence:
+    """The persistence half of RolloutBuffer: its configuration, `state_dict` / `load_state_dict`,
+    checkpoints and restores, and importing another run's rollouts. Kept apart from the replay
+    orchestration (buffer.py), which it reaches only through the buffer's public parts: `settings`,
+    `ledger`, `shards`, `generator`, `storage`, `checkpointer`."""
+
+    def carry_reuse(self, handles: Handles, reuse: torch.Tensor) -> None:
+        """Set use counts carried over from another run (`import_checkpoint(keep_reuse=True)`);
+        rollouts already at max_reuse are evicted."""
+        self.shards.release_all(self.ledger.carry_reuse(handles.slot, reuse.to(torch.int64)))
+
+    def config(self) -> dict[str, Any]:
+        """The arguments that shape this buffer's behaviour, as plain values (checkpoints record it)."""
+        return self.settings.as_dict(self.max_staleness, self.max_reuse)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
+        return full_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`. Validates everything before changing anything."""
+        sizes = chunk_sizes(state)
+        self.load_state(state, sizes, lambda cid: self.shards.put(chunk_batch(state, cid, sizes[cid])))
+
+    def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
+        """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
+        gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
+        self.shards.tick()  # a pending spill error surfaces now, not halfway through storing the chunks
+        self.shards.release_all(adopt(self, state, chunk_rows, store_chunk, self.shards.release))
+        self.shards.release_all(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
+
+    def checkpoint(self, timeout: float | None = None) -> None:
+        """Publish a manifest now and return once it is durable."""
+        if self.checkpointer is None:
+            raise ValueError("this buffer has no checkpointer: pass checkpoint=Checkpointer(uri) to RolloutBuffer")
+        self.checkpointer.publish(wait=True, timeout=timeout)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        sampler: Sampler | None = None,
+        storage: TieredStorage | None = None,
+        checkpoint: "Checkpointer | bool" = False,
+        lazy: bool = False,
+        progress: bool = True,
+        manifest: str | None = None,
+        **kwargs: Any,
+    ) -> "RolloutBuffer":
+        """Restore a buffer from the last published manifest under `uri`.
+
+        Slots, generations, advantages (priorities are recomputed from them), policy versions,
+        reuse counts, sampler and RNG state come back exactly. Shards are fetched eagerly (with a
+        progress bar) or, with `lazy=True` and a cold tier, on demand: only each shard's header
+        and per-rollout fields are read at restore, its file is downloaded the first time a
+        sample (or prefetch) needs its tokens.
+        `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
+        Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
+        `manifest` names a specific manifest key (default: the newest, via LATEST).
+        """
+        from torchreplay.checkpoint.restore import restore
+
+        return restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
+                       checkpoint=checkpoint, lazy=lazy, progress=progress, manifest_key=manifest, **kwargs)
+
+    def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
+                          reprioritize=None, progress: bool = False, select=None,
+                          keep_reuse: bool = False) -> Handles:
+        """Seed this buffer with another run's rollouts (read-only: nothing there is changed).
+
+        Policy versions are shifted by `version_offset`; `reprioritize(batch: dict) -> advantages`
+        may replace their advantages (e.g. rescored by the current critic). `select(i, n)` takes
+        only some of the checkpoint's n shards (e.g. one rank's share); `keep_reuse` carries use
+        counts over. Returns the new rollouts' handles."""
+        from torchreplay.checkpoint.restore import import_rollouts
+
+        return import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
+                               reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse)
 
 
 def live_shards(slots: SlotTable) -> tuple[list[int], list[int]]:

@@ -1,0 +1,76 @@
+"""ShardKeeper: a buffer's shards in TieredStorage, and the Checkpointer that follows them.
+
+Every shard the buffer writes or lets go passes through here, so the checkpointer hears of each
+one (it uploads sealed shards and forgets released ones) and background failures of either are
+raised on the trainer's next call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from torchreplay.assembly import subset
+from torchreplay.schema import PackedBatch
+from torchreplay.slots import SlotTable
+from torchreplay.storage import CorruptRows, TieredStorage
+
+if TYPE_CHECKING:
+    from torchreplay.checkpoint import Checkpointer
+
+
+class ShardKeeper:
+    """Puts and releases shards, tells the checkpointer, compacts mostly dead shards."""
+
+    def __init__(self, storage: TieredStorage) -> None:
+        self.storage = storage
+        self.checkpointer: "Checkpointer | None" = None
+
+    def put(self, batch: PackedBatch) -> int:
+        sid = self.storage.put(batch)
+        if self.checkpointer is not None:
+            self.checkpointer.shard_sealed(sid)
+        return sid
+
+    def release(self, shard_id: int, rows: int) -> None:
+        if self.storage.release(shard_id, rows) and self.checkpointer is not None:
+            self.checkpointer.shard_released(shard_id)
+
+    def release_all(self, released: list[tuple[int, int]]) -> None:
+        for shard_id, rows in released:
+            self.release(shard_id, rows)
+
+    def tick(self) -> None:
+        """Surface background failures, and publish a manifest when one is due."""
+        self.storage.check()
+        if self.checkpointer is not None:
+            self.checkpointer.check()
+            self.checkpointer.maybe_publish()
+
+    def compact(self, slots: SlotTable, on_corrupt: Callable[[CorruptRows], None]) -> None:
+        """Rewrite each mostly dead shard's live rows into a new shard, so its file and memory go.
+        The slots keep their rollouts: nothing a caller can see changes."""
+        for shard_id in self.storage.compaction_candidates():
+            live = ((slots.chunk == shard_id) & slots.live).nonzero().flatten()
+            shard = self.storage.shard(shard_id)
+            self.storage.pin_shards([shard_id])
+            try:
+                batch, index = self.storage.fetch(shard, slots.row[live], list(shard.token_fields))
+            except CorruptRows as exc:
+                self.storage.unpin_shards([shard])
+                on_corrupt(exc)
+                continue
+            self.storage.unpin_shards([shard])
+            new_id = self.put(subset(batch, index))
+            slots.chunk[live] = new_id
+            slots.row[live] = torch.arange(live.numel())
+            self.release(shard_id, live.numel())
+            self.storage.counters["compactions"] += 1
+
+    def close(self) -> None:
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self.storage.close()
