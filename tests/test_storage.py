@@ -555,3 +555,24 @@ def test_hot_policy_decides_which_copy_is_dropped(tmp_path, policy, dropped):
 
     assert [read_cold(shards[i]) for i in (2, dropped, 1 - dropped)] == [False, True, False]
     buf.close()
+
+
+@pytest.mark.parametrize("policy, dropped", [("lru", 1), ("newest", 0)])
+def test_device_policy_decides_which_device_copy_is_dropped(policy, dropped):
+    """The device tier's `device_policy` (here on device="cpu", the CPU-testable path): 10.4 KB
+    shards under a 26 KB device budget; shard 0 is sampled onto the device, then shard 2 arrives.
+    Observed through `storage_device_hits`. Mutation checked: LRUPolicy.touched as a no-op makes
+    "lru" drop shard 0."""
+    storage = TieredStorage(device="cpu", device_bytes=26_000, device_policy=policy)
+    buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), storage=storage)
+    shards = [buf.add(make_batch(8, seed=i, min_len=100, max_len=100)) for i in range(2)]
+    buf.gather(shards[0].slot, count_use=False, device="cpu")
+    shards.append(buf.add(make_batch(8, seed=2, min_len=100, max_len=100)))
+
+    def on_device(handles) -> bool:
+        before = buf.metrics()["storage_device_hits"]
+        buf.gather(handles.slot, count_use=False, device="cpu")
+        return buf.metrics()["storage_device_hits"] > before
+
+    assert [on_device(shards[i]) for i in (2, dropped, 1 - dropped)] == [True, False, True]
+    buf.close()
