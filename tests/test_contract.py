@@ -446,3 +446,29 @@ def test_overflow_raise_counts_the_room_that_staleness_makes():
         buf.add(make_batch(1, version=1, seed=1))  # version 0 is still within the cap at 1
     buf.add(make_batch(4, version=5, seed=2))  # at 5 every stored rollout is stale: room for 4
     assert len(buf) == 4 and buf.version == 5
+
+
+class FailingReads(TieredStorage):
+    """A storage whose next read fails as a download or I/O error would (not a checksum)."""
+
+    fail_next = False
+
+    def fetch_slots(self, *args, **kwargs):
+        if self.fail_next:
+            self.fail_next = False
+            raise StorageError("cannot download shard: connection reset")
+        return super().fetch_slots(*args, **kwargs)
+
+
+def test_a_sample_whose_read_fails_charges_no_use():
+    """The read fails: the call raises and the buffer is as it was. The uses used to be counted
+    before the read, spending budgets (and evicting at max_reuse) for rollouts never returned."""
+    storage = FailingReads()
+    buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), storage=storage, max_reuse=1, seed=0)
+    buf.add(make_batch(4, seed=0))
+    before = unchanged_state(buf)
+    storage.fail_next = True
+    with pytest.raises(StorageError, match="connection reset"):
+        buf.sample(4)
+    assert_same(unchanged_state(buf), before)
+    assert len(buf.sample(4)) == 4 and len(buf) == 0

@@ -219,7 +219,8 @@ class RolloutBuffer(Persistence):
                      _inline: bool = False, _reuse: bool = False) -> PendingBatch:
         """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
         caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
-        decided now, on the calling thread, so results match `sample` for the same generator.
+        decided now, on the calling thread, so results match `sample` for the same generator; a
+        batch whose read then fails has still spent those uses (`sample` itself charges none).
         Call `.result()` on the returned object from the thread that owns the buffer."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -228,15 +229,23 @@ class RolloutBuffer(Persistence):
             raise ValueError("cannot sample: the buffer is empty")
         self.shards.tick()
         generator = generator if generator is not None else self.generator
+        state = generator.get_state()
         slots, weights = self.ledger.draw(batch_size, generator, torch.empty(0, dtype=torch.int64), if_short)
         if slots.numel() == 0:
+            generator.set_state(state)
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
         plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
                                    self.version, self.assembler.home_for(device), _reuse)
-        self.ledger.counters["sampled_replay"] += slots.numel()
-        self.ledger.counters["sample_calls"] += 1
-        self._record_use(slots, weights, weights)
         future = self.assembler.start(plan, inline=_inline)
+        failed = future.exception() if _inline else None
+        if failed is not None and not isinstance(failed, CorruptRows):
+            generator.set_state(state)  # nothing was returned: no use is counted, nothing changed
+            raise failed
+        if failed is None:
+            # An async batch's uses count now, so the next draw already sees its budgets.
+            self.ledger.counters["sampled_replay"] += slots.numel()
+            self.ledger.counters["sample_calls"] += 1
+            self._record_use(slots, weights, weights)
 
         def redraw(exc: CorruptRows) -> ReplayBatch:
             self._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
