@@ -9,6 +9,7 @@ import torch
 import torchreplay as tr
 from rollouts import make_batch
 from torchreplay.checkpoint import Checkpointer, read_manifest, open_store
+from torchreplay.snapshot import live_shards
 from torchreplay.storage import TieredStorage
 
 
@@ -51,6 +52,12 @@ def test_resume_is_exact(tmp_path, tiered):
 
 
 def test_manifest_only_names_durable_objects_and_gc(tmp_path):
+    """Each manifest names exactly the live shards, every one of them durable; after the last
+    checkpoint the store holds exactly the shards the kept manifests name (dead ones collected).
+
+    Checked through the store and the public slot table only (it used `checkpointer._keys`).
+    Mutation checked: garbage collection that keeps stale shards (`stale_shards = []` in
+    `Checkpointer._collect_garbage`) fails the final equality."""
     uri = f"file://{tmp_path}/ckpt"
     buf = tr.RolloutBuffer(24, sampler=tr.UniformSampler(), max_staleness=1,
                            checkpoint=Checkpointer(uri, interval_s=3600, keep_last=2), seed=1)
@@ -63,11 +70,16 @@ def test_manifest_only_names_durable_objects_and_gc(tmp_path):
         for entry in manifest["shards"]:
             assert store.exists(entry["key"])
         assert manifest["rollouts"] == len(buf)
+        ids, rows = live_shards(buf.slots)
+        assert [(e["id"], e["live_rows"]) for e in manifest["shards"]] == list(zip(ids, rows))
     assert len(store.list("manifests")) == 2
     named = set()
     for key in store.list("manifests"):
         named |= {s["key"] for s in json.loads(store.get(key))["shards"]}
-    assert set(store.list("shards")) <= named | {k for k in buf.checkpointer._keys.values()}
+    # Right after a checkpoint every live shard is named by the newest manifest, so nothing
+    # outside the kept manifests may remain: the shards of versions 0-2 are named by no kept
+    # manifest and must be gone (3 of the 6 shards remain).
+    assert set(store.list("shards")) == named and len(named) == 3
     assert not [p for p in os.listdir(tmp_path / "ckpt" / "shards") if "partial" in p]
     buf.close()
 

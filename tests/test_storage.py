@@ -14,6 +14,7 @@ import torch
 import torchreplay as tr
 from gpu_support import require_kvikio
 from rollouts import make_batch
+from torchreplay.snapshot import live_shards
 from torchreplay.storage import TieredStorage
 from torchreplay.storage import format as fmt
 
@@ -91,7 +92,10 @@ def test_shard_files_deleted_when_all_rollouts_evicted(tmp_path):
 
 def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_path):
     """A checkpoint upload pins its shard; if the shard's rollouts die meanwhile, the upload thread
-    deletes the file when it unpins, rather than leaving a batch of unlinks to the trainer's next call."""
+    deletes the file when it unpins, rather than leaving a batch of unlinks to the trainer's next call.
+
+    The shards are picked through the public slot table (the ones holding versions 0 and 1), not
+    `storage._shards`. Mutation checked: `unpin_shards` without its `_flush_deletes()` fails."""
     import threading
 
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
@@ -99,7 +103,10 @@ def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_pat
     for v in range(3):
         buf.add(make_batch(8, version=v, seed=v))
     storage.flush()
-    pinned = [storage.shard(sid) for sid in sorted(storage._shards)[:2]]
+    slots = buf.slots
+    doomed = sorted(set(slots.chunk[slots.live & (slots.policy_version < 2)].tolist()))
+    assert len(doomed) == 2 and len(live_shards(slots)[0]) == 3  # one shard per add
+    pinned = [storage.shard(sid) for sid in doomed]
     storage.pin_shards([s.id for s in pinned])
     buf.advance(4)  # both pinned shards die; their files must outlive the pin
     assert all(os.path.exists(s.path) for s in pinned)
@@ -366,12 +373,19 @@ def test_cuda_span_crc32_matches_the_host():
 
 
 def test_device_tier_frees_its_bytes_as_rollouts_die(tmp_path):
+    """The device tier holds exactly the token bytes of the live shards, and none once they die.
+
+    Shards are found through the public slot table (`live_shards`), not `storage._shards`.
+    Mutation checked: the tier skipping the first shard (`... and shard.id > 0` on the device-copy
+    branch of `TieredStorage.put`) fails the held-bytes check; the final check alone passes it."""
     storage = TieredStorage(device="cpu", device_bytes=1 << 30)
     buf = tr.RolloutBuffer(64, sampler=tr.UniformSampler(), max_staleness=1, storage=storage)
     buf.add(make_batch(16, version=0, seed=1))
     buf.add(make_batch(16, version=1, seed=2))
     held = storage.metrics()["storage_device_bytes"]
-    assert held == sum(s.token_bytes for s in storage._shards.values()) > 0
+    ids, rows = live_shards(buf.slots)
+    assert rows == [16, 16] and storage.metrics()["storage_shards"] == len(ids) == 2
+    assert held == sum(storage.shard(sid).token_bytes for sid in ids) > 0
     buf.advance(3)  # both batches are now too stale
     assert len(buf) == 0 and storage.metrics()["storage_device_bytes"] == 0
 
