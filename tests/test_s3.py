@@ -1,5 +1,6 @@
 """Checkpoints against a real S3-compatible HTTP server on loopback (moto), with injected faults."""
 
+import json
 import time
 
 import pytest
@@ -68,17 +69,36 @@ def test_injected_500_and_503_are_retried(s3_server, s3_bucket, tmp_path):
 
 
 def test_training_calls_do_not_wait_on_slow_uploads(s3_server, s3_bucket, tmp_path):
+    """Every S3 request takes 1 s. Training calls go on until the proxy has seen the checkpoint's
+    uploads start (so the slowdown really hit them), and at that point its manifest is still not
+    published (read straight from the S3 server, past the slow proxy): it was in flight during
+    the calls. No call took as long as one request, so none waited on an upload.
+    Mutation checked: Checkpointer.check() draining the upload queue (every buffer call waits for
+    pending uploads) fails the latency bound."""
     uri, buf = s3_buffer(s3_server, s3_bucket, tmp_path)
-    s3_server.faults.delay_s = 0.5
+    direct = open_store(uri, f"http://127.0.0.1:{s3_server.moto_port}")
+    delay = 1.0
+    s3_server.faults.delay_s = delay
+    seen_before = len(s3_server.faults.seen)
     buf.add(make_batch(16, seed=5))
     buf.checkpointer.publish(wait=False)
-    job_done = buf.checkpointer._queue.unfinished_tasks
-    for i in range(20):
-        buf.add(make_batch(4, version=0, seed=100 + i))
+    in_flight = buf.checkpointer.last_manifest
+
+    def uploads_started() -> bool:
+        with s3_server.faults.lock:
+            return any(method == "PUT" for method, _ in s3_server.faults.seen[seen_before:])
+
+    latencies = []
+    deadline = time.monotonic() + 30
+    while (len(latencies) < 20 or not uploads_started()) and time.monotonic() < deadline:
+        start = time.perf_counter()
+        buf.add(make_batch(4, version=0, seed=100 + len(latencies)))
         buf.sample(8)
-    # Every request takes 0.5 s, a checkpoint several of them: it is still in flight now, so the
-    # 40 training calls above did not wait for it.
-    assert buf.checkpointer._queue.unfinished_tasks > 0 and job_done > 0
+        latencies.append(time.perf_counter() - start)
+    assert uploads_started(), "the checkpoint never started uploading"
+    published = json.loads(direct.get("LATEST"))["manifest"] if direct.exists("LATEST") else None
+    assert published != in_flight, "the manifest was already durable: the calls did not overlap the upload"
+    assert max(latencies) < delay, f"a training call took {max(latencies):.2f} s: it waited on an upload"
     s3_server.faults.delay_s = 0.0
     buf.checkpoint()
     assert read_manifest(open_store(uri, s3_server.endpoint_url))["rollouts"] == len(buf)
