@@ -82,8 +82,6 @@ class RolloutBuffer(Persistence):
         sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(sampler, Sampler):
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(sampler).__name__}")
-        self.capacity, self.overflow, self.on_corrupt = capacity, overflow, on_corrupt
-        self.padding_side, self.pad_token_id = padding_side, pad_token_id
         self.fields: dict[str, FieldSpec] = self.settings.fields()
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
@@ -98,6 +96,13 @@ class RolloutBuffer(Persistence):
                 raise TypeError(f"checkpoint must be a Checkpointer, got {type(checkpoint).__name__}")
             self.checkpointer = checkpoint
             checkpoint.attach(self)
+
+    # The configuration has one copy, `settings` (frozen); only the caps may change later.
+    capacity = property(lambda self: self.settings.capacity)
+    overflow = property(lambda self: self.settings.overflow)
+    padding_side = property(lambda self: self.settings.padding_side)
+    pad_token_id = property(lambda self: self.settings.pad_token_id)
+    on_corrupt = property(lambda self: self.settings.on_corrupt)
 
     def __len__(self) -> int:
         return self.ledger.slots.count

@@ -50,6 +50,13 @@ class BufferConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
             raise TypeError(f"pad_token_id must be an int, got {self.pad_token_id!r}")
+        # Copies of the caller's containers: changing them later must not change this buffer.
+        if self.routing is not None:
+            object.__setattr__(self, "routing", tuple(self.routing))
+        if self.extra_fields is not None:
+            if not isinstance(self.extra_fields, Mapping):
+                raise TypeError(f"extra_fields must be a mapping name -> FieldSpec, got {type(self.extra_fields).__name__}")
+            object.__setattr__(self, "extra_fields", dict(self.extra_fields))
 
     def fields(self) -> dict[str, FieldSpec]:
         return default_fields(self.ref_logprobs, self.routing, self.extra_fields, self.token_dtype)
