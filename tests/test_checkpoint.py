@@ -206,6 +206,14 @@ def test_inspect_cli(tmp_path, capsys):
     assert main(["inspect", uri]) == 0
     out = capsys.readouterr().out
     assert "rollouts: 6" in out and "manifests/" in out and "advantage" in out
+    # `python -m torchreplay` is the same command (it used to fail: no torchreplay.__main__).
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "torchreplay", "inspect", uri], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == out
 
 
 def test_lazy_restore_then_checkpoint_elsewhere_carries_every_rollout(tmp_path):

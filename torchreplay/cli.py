@@ -1,4 +1,4 @@
-"""The `torchreplay` command: `torchreplay demo`."""
+"""The `torchreplay` command (also `python -m torchreplay`): `demo` and `inspect`."""
 
 from __future__ import annotations
 
