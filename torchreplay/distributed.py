@@ -88,11 +88,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torchreplay import snapshot
 from torchreplay.assembly import padding_mask
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import ObjectStore
-from torchreplay import snapshot
 from torchreplay.errors import CheckpointError, ReplayError
 from torchreplay.schema import ROLLOUT, TOKEN
 
@@ -559,7 +559,7 @@ class DistributedRolloutBuffer:
                       buffer_kwargs: dict[str, Any]) -> tuple[RolloutBuffer, float]:
         """Build this rank's shard from its share of generation `source`; returns it and a
         fingerprint of the plan (equal on every rank iff all read the same manifests)."""
-        from torchreplay.checkpoint.restore import buffer_kwargs_from_config, sampler_from_state, load_state
+        from torchreplay.checkpoint.restore import buffer_kwargs_from_config, load_state, sampler_from_state
 
         places = [rank_uri(uri, source, o) for o in range(source_world)]
         stores = [open_store(p, endpoint_url) for p in places]

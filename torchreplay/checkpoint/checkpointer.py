@@ -32,9 +32,9 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torchreplay import boundedjson, snapshot
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.store import ObjectStore, open_store
-from torchreplay import snapshot
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
@@ -327,20 +327,17 @@ def read_manifest(store: ObjectStore, key: str | None = None) -> dict[str, Any]:
     from torchreplay.checkpoint.store import check_key
 
     if key is None:
-        try:
-            pointer = json.loads(store.get("LATEST"))
-        except ValueError as exc:
-            raise CheckpointError(f"{store.uri}/LATEST is not valid JSON") from exc
+        boundedjson.check_size(store.size("LATEST"), boundedjson.MAX_POINTER_BYTES, f"{store.uri}/LATEST",
+                               CheckpointError)
+        pointer = boundedjson.loads(store.get("LATEST"), f"{store.uri}/LATEST", CheckpointError)
         if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
             raise CheckpointError(f"{store.uri}/LATEST does not name a manifest")
         key = pointer["manifest"]
     key = check_key(key)
     if not key.startswith("manifests/"):
         raise CheckpointError(f"{key!r} is not a manifest key (outside manifests/)")
-    try:
-        manifest = json.loads(store.get(key))
-    except ValueError as exc:
-        raise CheckpointError(f"manifest {key} is not valid JSON") from exc
+    boundedjson.check_size(store.size(key), boundedjson.MAX_DOCUMENT_BYTES, f"manifest {key}", CheckpointError)
+    manifest = boundedjson.loads(store.get(key), f"manifest {key}", CheckpointError)
     validate_manifest(manifest)
     return manifest
 

@@ -31,6 +31,12 @@ BUILTIN_SAMPLERS = {
 
 def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     state_info = manifest["state"]
+    # Sizes first (stat / HEAD): an object grown past what the manifest records is refused unread.
+    for name, recorded in (("json", state_info["json_bytes"]), ("blob", state_info["blob_bytes"])):
+        size = store.size(state_info[name])
+        if size != recorded:
+            raise CheckpointError(f"checkpoint state object {state_info[name]} is {size} bytes, the manifest "
+                                  f"records {recorded}")
     text = store.get(state_info["json"])
     blob = store.get(state_info["blob"])
     if len(text) != state_info["json_bytes"] or len(blob) != state_info["blob_bytes"]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchreplay import boundedjson
 from torchreplay.errors import CheckpointError
 from torchreplay.storage.format import DTYPE_NAMES, DTYPES
 
@@ -62,10 +63,10 @@ def pack(state: Any) -> tuple[bytes, bytes]:
 
 def unpack(text: bytes, blob: bytes) -> Any:
     """Inverse of `pack`, validating every tensor entry against the blob."""
+    doc = boundedjson.loads(text, "state JSON", CheckpointError)
     try:
-        doc = json.loads(text)
         tree, table = doc["tree"], doc["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"state JSON is malformed: {exc}") from exc
     if not isinstance(table, list):
         raise CheckpointError("state JSON: 'tensors' must be a list")

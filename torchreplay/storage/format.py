@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from torchreplay import boundedjson
 from torchreplay.errors import StorageError
 
 MAGIC = b"TRSHARD1"
@@ -204,10 +205,7 @@ def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
     text = head[_PREAMBLE.size : _PREAMBLE.size + length]
     if zlib.crc32(text) != crc:
         raise StorageError("shard header checksum mismatch")
-    try:
-        meta = json.loads(text)
-    except ValueError as exc:
-        raise StorageError(f"shard header is not valid JSON: {exc}") from exc
+    meta = boundedjson.loads(text, "shard header", StorageError)
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise StorageError(f"unsupported shard format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}")
     n, page_size = meta.get("n"), meta.get("page_size")
