@@ -79,3 +79,40 @@ def test_oversized_objects_are_refused_unread(tmp_path, target):
         tr.RolloutBuffer.from_checkpoint(f"file://{root}", progress=False)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grown_mib < 200, f"peak RSS grew by {grown_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("target", ["LATEST", "manifest", "state", "shard"])
+def test_symlinks_out_of_the_root_are_refused(tmp_path, target):
+    """An object replaced by a symlink to a file outside the checkpoint root used to restore (and
+    `inspect` exited 0). Mutation checked: opening without O_NOFOLLOW restores from the outside file."""
+    root, manifest = checkpoint_dir(tmp_path)
+    latest = json.loads((root / "LATEST").read_text())["manifest"]
+    path = {"LATEST": root / "LATEST", "manifest": root / latest, "state": root / manifest["state"]["json"],
+            "shard": root / manifest["shards"][0]["key"]}[target]
+    outside = tmp_path / "outside"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(outside)
+    restore_fails(root, tr.CheckpointError, "symlink")
+
+
+def test_a_fifo_is_an_error_not_a_hang(tmp_path):
+    """A shard replaced by a FIFO hung the restore forever (no writer ever comes)."""
+    import threading
+
+    root, manifest = checkpoint_dir(tmp_path)
+    path = root / manifest["shards"][0]["key"]
+    path.unlink()
+    os.mkfifo(path)
+    outcome = []
+
+    def attempt():
+        try:
+            tr.RolloutBuffer.from_checkpoint(f"file://{root}", progress=False)
+        except tr.CheckpointError as exc:
+            outcome.append(str(exc))
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(60)  # a hang, not slowness, is what this bounds: the error comes in milliseconds
+    assert outcome and "not a regular file" in outcome[0]

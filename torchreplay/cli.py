@@ -38,6 +38,8 @@ def inspect_checkpoint(uri: str, endpoint_url: str | None = None) -> int:
         manifest = read_manifest(store)
         state = load_state(store, manifest)
         shard_keys = store.list("shards")
+        # Every shard the manifest names must be there as a regular object (stat / HEAD only).
+        shard_bytes = sum(store.size(entry["key"]) for entry in manifest["shards"])
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -45,7 +47,8 @@ def inspect_checkpoint(uri: str, endpoint_url: str | None = None) -> int:
     print(f"manifests ({len(manifests)}): " + ", ".join(manifests))
     print(f"latest: manifests/{manifest['sequence']:012d}.json  policy_version: {manifest['policy_version']}")
     print(f"rollouts: {manifest['rollouts']}  shards named: {len(manifest['shards'])}  shard objects: {len(shard_keys)}")
-    print(f"state bytes: {manifest['state']['json_bytes'] + manifest['state']['blob_bytes']:,}")
+    print(f"state bytes: {manifest['state']['json_bytes'] + manifest['state']['blob_bytes']:,}  "
+          f"shard bytes: {shard_bytes:,}")
     table = state["table"]
     live = table["live"]
     if int(live.sum()):

@@ -7,10 +7,12 @@ object becomes visible only when its PUT (or multipart completion) succeeds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import re
+import stat
 import time
 from typing import Callable, Protocol, TypeVar
 from urllib.parse import urlparse
@@ -29,9 +31,34 @@ class MissingObject(CheckpointError):
     missing object stays missing (a deleted shard, a wrong prefix)."""
 
 
+class RefusedObject(CheckpointError):
+    """The object is there but must not be read (a symlink, a FIFO, outside the root). Not
+    retried: it will not become a regular file by waiting."""
+
+
 def _file_error(what: str, path: str, exc: OSError) -> CheckpointError:
     cls = MissingObject if isinstance(exc, FileNotFoundError) else CheckpointError
     return cls(f"cannot {what} {path}: {exc}")
+
+
+def _open_regular(root: str, path: str) -> int:
+    """A read descriptor on `path`, only if it is a regular file inside `root`: the last component
+    is not followed if it is a symlink (O_NOFOLLOW), no directory on the way may lead outside the
+    root, and O_NONBLOCK makes a FIFO an error here instead of a read that never returns."""
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(os.path.dirname(path))]) != real_root:
+        raise RefusedObject(f"{path} lies outside the checkpoint root {root}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RefusedObject(f"{path} is a symlink: checkpoint objects must be regular files") from exc
+        raise _file_error("open", path, exc) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RefusedObject(f"{path} is not a regular file (a FIFO, device or directory)")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def check_key(key: str) -> str:
@@ -115,9 +142,12 @@ class FileStore:
 
         self._publish(key, write)
 
+    def _open(self, key: str):
+        return os.fdopen(_open_regular(self.root, self._path(key)), "rb")
+
     def get(self, key: str) -> bytes:
         try:
-            with open(self._path(key), "rb") as f:
+            with self._open(key) as f:
                 return f.read()
         except OSError as exc:
             raise _file_error("read", self._path(key), exc) from exc
@@ -125,28 +155,27 @@ class FileStore:
     def get_to_file(self, key: str, path: str) -> None:
         src = self._path(key)
         try:
-            try:
-                os.link(src, path)
-            except OSError:
-                with open(src, "rb") as s, open(path, "wb") as d:
-                    while chunk := s.read(8 << 20):
-                        d.write(chunk)
+            with self._open(key) as s:
+                try:
+                    os.link(src, path)  # same file system: no copy (checked a regular file just now)
+                except OSError:
+                    with open(path, "wb") as d:
+                        while chunk := s.read(8 << 20):
+                            d.write(chunk)
         except OSError as exc:
             raise _file_error("read", src, exc) from exc
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         try:
-            with open(self._path(key), "rb") as f:
+            with self._open(key) as f:
                 f.seek(start)
                 return f.read(length)
         except OSError as exc:
             raise _file_error("read", self._path(key), exc) from exc
 
     def size(self, key: str) -> int:
-        try:
-            return os.path.getsize(self._path(key))
-        except OSError as exc:
-            raise _file_error("stat", self._path(key), exc) from exc
+        with self._open(key) as f:
+            return os.fstat(f.fileno()).st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -291,7 +320,7 @@ def with_retries(fn: Callable[[], T], budget_s: float, what: str, base_s: float 
     while True:
         try:
             return fn()
-        except MissingObject:
+        except (MissingObject, RefusedObject):
             raise
         except CheckpointError as exc:
             attempt += 1
