@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import FlakyStorage
+from rollouts import make_batch
 
 import torchreplay as tr
-from rollouts import make_batch
 from torchreplay.errors import StorageError
 from torchreplay.storage import TieredStorage
 
@@ -208,18 +209,6 @@ def test_update_priorities_overflow_changes_nothing():
 
 
 # ------------------------------------------------------------------------------ 5. storage errors
-class FlakyStorage(TieredStorage):
-    """A storage whose next `put` raises, as a background spill failure (ENOSPC) surfacing in it."""
-
-    fail_next = False
-
-    def put(self, batch):
-        if self.fail_next:
-            self.fail_next = False
-            raise StorageError("background spill failed: [Errno 28] No space left on device")
-        return super().put(batch)
-
-
 @pytest.mark.parametrize("call", ["add", "compose"])
 def test_spill_error_inside_add_or_compose_loses_no_slot(call):
     """Repro 5: the slots were taken (and the oldest evicted) before put() raised: len 56 of 64, an

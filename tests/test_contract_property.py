@@ -18,28 +18,16 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from faults import FlakyStorage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rollouts import make_batch
 
 import torchreplay as tr
-from rollouts import make_batch
 from torchreplay.errors import SchemaError, StorageError
-from torchreplay.storage import TieredStorage
 
 CAPACITY = 12
 ALPHA, BETA, EPS = 1.0, 0.5, 1e-3
-
-
-class FlakyStorage(TieredStorage):
-    """Raises from the next `put`, as a background spill failure (ENOSPC) surfacing there."""
-
-    fail_next = False
-
-    def put(self, batch):
-        if self.fail_next:
-            self.fail_next = False
-            raise StorageError("background spill failed: [Errno 28] No space left on device")
-        return super().put(batch)
 
 
 @dataclass

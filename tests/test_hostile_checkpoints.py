@@ -60,7 +60,7 @@ def test_deeply_nested_shard_header_is_a_storage_error(tmp_path):
     import zlib
 
     path = tmp_path / "bad.trs"
-    head = fmt._PREAMBLE.pack(fmt.MAGIC, len(NESTED), zlib.crc32(NESTED)) + NESTED
+    head = fmt.PREAMBLE.pack(fmt.MAGIC, len(NESTED), zlib.crc32(NESTED)) + NESTED
     path.write_bytes(head + b"\0" * 4096)
     with pytest.raises(tr.StorageError, match="nested too deeply"):
         fmt.read_shard_meta(str(path))

@@ -89,11 +89,12 @@ import torch
 import torch.distributed as dist
 
 from torchreplay import snapshot
-from torchreplay.assembly import padding_mask
+from torchreplay.assembly import effective_sample_size, padding_mask
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import ObjectStore
 from torchreplay.errors import CheckpointError, ReplayError
+from torchreplay.samplers.base import occurrence_rank
 from torchreplay.schema import ROLLOUT, TOKEN
 
 MODES = ("local", "global")
@@ -680,8 +681,7 @@ class DistributedRolloutBuffer:
         self._counters["dist_sample_calls"] += 1
         out = self._sample_local(batch_size, rows, generator) if self.mode == "local" else \
             self._sample_global(batch_size, rows, generator)
-        w = out.weights.double()
-        self._last_ess = float(w.sum() ** 2 / (w.pow(2).sum() * w.numel()))
+        self._last_ess = effective_sample_size(out.weights)
         self._counters["dist_received"] += batch_size
         return out if device is None else out.to(device)
 
@@ -805,11 +805,7 @@ class DistributedRolloutBuffer:
             return slots, prio
         remaining = (buf.max_reuse - buf.slots.reuse).clamp(min=0)
         remaining[~buf.slots.live] = 0
-        order = torch.argsort(slots, stable=True)
-        _, inverse, counts = torch.unique_consecutive(slots[order], return_inverse=True, return_counts=True)
-        rank_in_slot = torch.empty_like(slots)
-        rank_in_slot[order] = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
-        over = rank_in_slot >= remaining[slots]
+        over = occurrence_rank(slots) >= remaining[slots]
         if not bool(over.any()):
             return slots, prio
         remaining.index_add_(0, slots[~over], -torch.ones_like(slots[~over]))

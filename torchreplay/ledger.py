@@ -18,6 +18,7 @@ import torch
 from torchreplay.assembly import effective_sample_size
 from torchreplay.errors import SchemaError
 from torchreplay.samplers import Sampler
+from torchreplay.schema import check_finite_advantages
 from torchreplay.slots import SlotTable
 
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
@@ -266,10 +267,7 @@ class Ledger:
         slot, generation = slot.cpu(), generation.cpu()
         if advantages.numel() != slot.numel():
             raise ValueError(f"advantages has {advantages.numel()} values for {slot.numel()} handles")
-        bad = ~torch.isfinite(advantages)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"advantages[{i}] must be finite, got {float(advantages[i])}")
+        check_finite_advantages(advantages)
         if slot.numel() and (int(slot.min()) < 0 or int(slot.max()) >= self.capacity):
             raise ValueError(f"handles.slot outside [0, {self.capacity})")
         t = self.slots

@@ -106,11 +106,8 @@ class SlotTable:
 
     # -- mutations ------------------------------------------------------------------------------
     def take(self, n: int) -> torch.Tensor:
-        """Pop n free slots (the caller made room first). Undo: `give_back(slots)`."""
+        """Pop n free slots (the caller made room first; a failed insert restores the free list)."""
         return torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.int64)
-
-    def give_back(self, slots: torch.Tensor) -> None:
-        self.free.extend(reversed(slots.tolist()))
 
     def insert(self, slots: torch.Tensor, meta: Mapping[str, torch.Tensor], chunk: int) -> None:
         """Make `slots` live with the given per-rollout metadata, rows 0..n-1 of shard `chunk`."""

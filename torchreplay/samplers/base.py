@@ -70,6 +70,16 @@ class Sampler(Protocol):
     def to(self, device: torch.device | str) -> "Sampler": ...
 
 
+def occurrence_rank(slots: torch.Tensor) -> torch.Tensor:
+    """For each entry, how many earlier entries name the same slot (0 for a slot's first draw):
+    what a per-slot budget is compared with."""
+    order = torch.argsort(slots, stable=True)
+    _, inverse, counts = torch.unique_consecutive(slots[order], return_inverse=True, return_counts=True)
+    rank = torch.empty_like(slots)
+    rank[order] = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
+    return rank
+
+
 def check_weight_norm(weight_norm: str) -> str:
     if weight_norm not in WEIGHT_NORMS:
         raise ValueError(f"weight_norm must be one of {WEIGHT_NORMS}, got {weight_norm!r}")
@@ -163,7 +173,8 @@ class TreeSampler:
              remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Stratified proportional draw of up to n slots under `remaining` budgets; returns the
         slots, their priorities (float64, CPU) and the smallest positive priority among the slots
-        that were drawable (budget > 0) when the call began (+inf if none).
+        that were drawable (budget > 0) when the call began (+inf if none; nan unless this
+        sampler's weights are normalized by it, `weight_norm="buffer_max"`).
 
         The first pass is stratified over the whole mass. A slot drawn more often than its budget
         keeps its first `remaining` draws; it is then set aside (its leaf zeroed for the rest of
@@ -186,7 +197,8 @@ class TreeSampler:
             if remaining is not None:
                 used = torch.zeros(self.slots.capacity, dtype=torch.int64)
                 set_aside((self.slots.live & (remaining <= 0)).nonzero().flatten())
-            drawable_min = float(self.tree.min())
+            # One more device read, so only for the normalization that uses it.
+            drawable_min = float(self.tree.min()) if self.weight_norm == "buffer_max" and self.beta else math.nan
             need = n
             while need > 0 and float(self.tree.total()) > 0:
                 u = torch.rand(need, dtype=torch.float64, generator=generator)
@@ -196,11 +208,7 @@ class TreeSampler:
                     kept_slots.append(slots)
                     kept_prio.append(prio)
                     break
-                order = torch.argsort(slots, stable=True)
-                slots, prio = slots[order], prio[order]
-                _, inverse, counts = torch.unique_consecutive(slots, return_inverse=True, return_counts=True)
-                rank = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
-                keep = rank < (remaining[slots] - used[slots])
+                keep = occurrence_rank(slots) < (remaining[slots] - used[slots])
                 slots, prio = slots[keep], prio[keep]
                 used.index_add_(0, slots, torch.ones_like(slots))
                 kept_slots.append(slots)

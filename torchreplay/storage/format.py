@@ -40,7 +40,7 @@ MAGIC = b"TRSHARD1"
 FORMAT_VERSION = 1
 ALIGN = 4096
 PAGE_SIZE = 64 * 1024
-_PREAMBLE = struct.Struct("<8sQI")
+PREAMBLE = struct.Struct("<8sQI")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
@@ -146,7 +146,7 @@ class ShardLayout:
                   for name, kind, dtype, shape, offset, data in self.blocks}
         header = ShardHeader(n=self.n, page_size=self.page_size, blocks=blocks, file_bytes=self.file_bytes)
         text = json.dumps(header.to_json(), separators=(",", ":")).encode()
-        head = _PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
+        head = PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
         assert len(head) <= self.header_room, "header outgrew its reservation"
         return header, head
 
@@ -167,12 +167,12 @@ def layout_shard(
     worst = {name: [0xFFFFFFFF] * max(1, -(-len(data) // page_size)) for name, _, _, data in datas}
     header_room = ALIGN
     while True:
-        cursor = align_up(_PREAMBLE.size + header_room)
+        cursor = align_up(PREAMBLE.size + header_room)
         blocks = []
         for name, kind, t, data in datas:
             blocks.append((name, kind, t.dtype, tuple(t.shape[1:]), cursor, data))
             cursor = align_up(cursor + len(data))
-        layout = ShardLayout(n, page_size, blocks, max(cursor, ALIGN), align_up(_PREAMBLE.size + header_room))
+        layout = ShardLayout(n, page_size, blocks, max(cursor, ALIGN), align_up(PREAMBLE.size + header_room))
         _, head = ShardLayout(n, page_size, blocks, layout.file_bytes, 1 << 62).header(worst)
         if len(head) <= layout.header_room:
             return layout
@@ -195,14 +195,14 @@ def plan_shard(
 
 def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
     """Validate and decode the preamble + header. `head` must hold at least the whole header."""
-    if len(head) < _PREAMBLE.size:
+    if len(head) < PREAMBLE.size:
         raise StorageError("shard file is truncated: no header")
-    magic, length, crc = _PREAMBLE.unpack_from(head)
+    magic, length, crc = PREAMBLE.unpack_from(head)
     if magic != MAGIC:
         raise StorageError(f"not a torchreplay shard (magic {magic!r})")
-    if length > MAX_HEADER_BYTES or _PREAMBLE.size + length > len(head):
+    if length > MAX_HEADER_BYTES or PREAMBLE.size + length > len(head):
         raise StorageError(f"shard header length {length} exceeds what was read ({len(head)} bytes)")
-    text = head[_PREAMBLE.size : _PREAMBLE.size + length]
+    text = head[PREAMBLE.size : PREAMBLE.size + length]
     if zlib.crc32(text) != crc:
         raise StorageError("shard header checksum mismatch")
     meta = boundedjson.loads(text, "shard header", StorageError)
@@ -261,14 +261,14 @@ def validate_offsets(offsets: torch.Tensor, header: ShardHeader) -> None:
 
 def header_span(head: bytes) -> int:
     """Bytes needed to hold the preamble and header, from the first 20 bytes."""
-    if len(head) < _PREAMBLE.size:
+    if len(head) < PREAMBLE.size:
         raise StorageError("shard file is truncated: no header")
-    magic, length, _ = _PREAMBLE.unpack_from(head)
+    magic, length, _ = PREAMBLE.unpack_from(head)
     if magic != MAGIC:
         raise StorageError(f"not a torchreplay shard (magic {magic!r})")
     if length > MAX_HEADER_BYTES:
         raise StorageError(f"shard header length {length} is implausible")
-    return _PREAMBLE.size + length
+    return PREAMBLE.size + length
 
 
 def read_block(data: bytes | memoryview, block: BlockInfo, page_size: int, base: int = 0) -> torch.Tensor:
