@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from torchreplay import snapshot
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
 from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
@@ -180,8 +181,9 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
         known = {new: by_id[old]["key"] for old, new in new_ids.items()} if same_place else {}
         buffer.checkpointer = ckpt
         ckpt.attach(buffer, known=known)
+        still_stored = set(snapshot.live_shards(buffer.slots)[0])  # a chunk with no live row was released
         for sid in new_ids.values():
-            if sid not in known and buffer.storage._shards.get(sid) is not None:
+            if sid not in known and sid in still_stored:
                 ckpt.shard_sealed(sid)
     return buffer
 
