@@ -38,6 +38,7 @@ def s3_bucket(s3_server, request):
 
     server = s3_server
     server.faults.fail_next = 0
+    server.faults.fail_only = ""
     server.faults.delay_s = 0.0
     if server.moto is None:
         server.start_moto()

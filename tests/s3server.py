@@ -25,16 +25,17 @@ class Faults:
         self.lock = threading.Lock()
         self.fail_next = 0
         self.fail_status = 503
+        self.fail_only = ""  # when set, only requests whose path contains it are failed
         self.delay_s = 0.0
         self.requests = 0
         self.injected = 0
         self.get_bytes = 0  # response bytes of GETs relayed, to check what a lazy restore downloads
         self.seen: list[tuple[str, str]] = []  # (method, path with query) of every request
 
-    def take_failure(self) -> int | None:
+    def take_failure(self, path: str = "") -> int | None:
         with self.lock:
             self.requests += 1
-            if self.fail_next > 0:
+            if self.fail_next > 0 and self.fail_only in path:
                 self.fail_next -= 1
                 self.injected += 1
                 return self.fail_status
@@ -62,7 +63,7 @@ class S3Server:
                     upstream.faults.seen.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                status = upstream.faults.take_failure()
+                status = upstream.faults.take_failure(self.path)
                 if upstream.faults.delay_s:
                     time.sleep(upstream.faults.delay_s)
                 if status is not None:

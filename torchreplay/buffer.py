@@ -390,8 +390,9 @@ class RolloutBuffer(Persistence):
         """A flat dict of numbers for a logger: size, bytes, capacity, age and reuse histograms,
         the effective sample size of the last returned batch's IS weights (fraction of the batch),
         the mean IS weight of its replayed rows, evictions by reason, stale-handle updates, sampled
-        fresh/replay counts, storage figures."""
-        return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), **self.storage.metrics()}
+        fresh/replay counts, storage figures, checkpoint failures and lag."""
+        checkpoints = self.checkpointer.metrics() if self.checkpointer is not None else {}
+        return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), **self.storage.metrics(), **checkpoints}
 
     # ---------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -6,35 +6,45 @@ Layout under the run prefix::
     shards/<session>-<shard id>.trs     shard files (format.py), immutable
     state/<sequence>.json + .bin        buffer metadata (slot table, sampler, RNG, counters)
     manifests/<sequence>.json           names the state objects and every shard they need
+    tags/<tag>.json                     {"manifest": ...}: a trainer's own checkpoint, by name
     LATEST                              {"manifest": "manifests/<sequence>.json"}, written last
 
 A manifest is written only after every object it names is durable, manifests are immutable, and
-LATEST is replaced last; a reader follows LATEST and so never sees a partial checkpoint. Shards no
-retained manifest names are garbage-collected after each publish.
+LATEST (and a tag) is replaced last; a reader follows LATEST or a tag and so never sees a partial
+checkpoint. Shards no retained manifest names are garbage-collected after each publish.
+
+Failures: a background upload or publish that fails (after its retry budget, or at once for an
+error a retry cannot fix) never stops training. It is counted (`metrics()`), logged once per
+incident, and the next publish tries again, re-uploading the shards that did not make it; the
+first publish that succeeds closes the incident. With `on_error="raise"` the trainer's next buffer
+call raises CheckpointError once per incident. A synchronous `checkpoint()` always raises when its
+own publish fails.
 
 Threads and processes: the trainer thread only snapshots metadata (clones of the slot table) and
 enqueues work. One worker thread runs the queue in order (so a manifest always follows the uploads
-of the shards it names) and records its first failure, which the trainer sees as CheckpointError on
-its next call. The object-store requests themselves run in a helper process (uploader.py): boto3
-is Python through and through, and on the worker thread it held the GIL long enough to multiply the
-trainer's p99 latency. The worker thread only packs state and waits on a pipe.
+of the shards it names). The object-store requests themselves run in a helper process
+(uploader.py): boto3 is Python through and through, and on the worker thread it held the GIL long
+enough to multiply the trainer's p99 latency. The worker thread only packs state and waits on a
+pipe.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
+import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchreplay import boundedjson, snapshot
 from torchreplay.checkpoint import tensorfile
-from torchreplay.checkpoint.store import ObjectStore, open_store
+from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_key, open_store
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
@@ -45,6 +55,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("torchreplay.checkpoint")
 MANIFEST_VERSION = 1
 _COALESCE_S = 0.05  # how long the worker gathers jobs before acting on them
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+
+
+def check_tag(tag: Any) -> str:
+    """A tag as its key-safe string: an int (a trainer step) or a short name."""
+    if isinstance(tag, bool) or not isinstance(tag, (int, str)):
+        raise TypeError(f"tag must be an int (e.g. a trainer step) or a str, got {type(tag).__name__}")
+    text = str(tag)
+    if not TAG_PATTERN.match(text):
+        raise ValueError(f"tag {text!r} must be 1-100 characters of letters, digits, '.', '_', '-' "
+                         f"(not starting with '.')")
+    return text
 
 
 @dataclass
@@ -53,7 +75,7 @@ class _Upload:
     key: str
     source: Any  # a file path (spilled shard) or a PackedBatch (hot-only storage)
     spill: Any  # the spill's Future, or None
-    shard: Any  # pinned storage shard, unpinned after the upload
+    shard: Any  # pinned storage shard, unpinned once the upload succeeds or the shard is released
 
 
 @dataclass
@@ -62,18 +84,31 @@ class _Publish:
     state: dict[str, Any]
     shard_keys: dict[int, str]
     shard_rows: dict[int, int]
-    done: threading.Event
+    tag: str | None
+    taken_at: float  # time.monotonic() of the snapshot: how old the durable state is, once published
+    background: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class Checkpointer:
     """Checkpoints a RolloutBuffer to `uri` (s3://bucket/prefix or file:///path).
 
+    The store is checked on construction: a missing bucket, refused credentials or a directory
+    that cannot be written raise CheckpointError at once (an unreachable endpoint only logs a
+    warning: the background retries).
+
     Args:
         uri: where checkpoints go.
         interval_s: seconds between automatic manifests (checked on buffer calls).
-        keep_last: manifests retained; older ones and shards only they named are deleted.
+        keep_last: untagged manifests retained; older ones and shards only they named are deleted.
+        keep_tags: tagged manifests retained (`buf.checkpoint(tag=step)`), newest first; None
+            (the default) keeps every tagged manifest until its tag is overwritten.
         endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
-        retry_budget_s: how long one object may keep failing before the error surfaces.
+        retry_budget_s: how long one object may keep failing before the attempt counts as failed.
+        on_error: "warn" (default): a failed background checkpoint is logged once per incident,
+            counted in `metrics()`, and retried by the next publish; training goes on. "raise":
+            also raise CheckpointError from the next buffer call, once per incident.
         helper_cpus: CPUs the upload helper process and the checkpoint worker thread may run on
             (default: anywhere, the helper at nice 10), for hosts whose cores are partitioned
             between trainer, data loaders and I/O. Keep the trainer off them: sharing its CPU and
@@ -83,11 +118,18 @@ class Checkpointer:
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
                  retry_budget_s: float = 60.0, helper_cpus: list[int] | None = None,
-                 multipart_bytes: int = 64 << 20) -> None:
+                 multipart_bytes: int = 64 << 20, on_error: str = "warn", keep_tags: int | None = None) -> None:
         if not (isinstance(interval_s, (int, float)) and interval_s > 0):
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        if keep_tags is not None and (isinstance(keep_tags, bool) or not isinstance(keep_tags, int) or keep_tags < 1):
+            raise ValueError(f"keep_tags must be None (keep all) or an int >= 1, got {keep_tags!r}")
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
+        if not (isinstance(retry_budget_s, (int, float)) and not isinstance(retry_budget_s, bool)
+                and retry_budget_s >= 0):
+            raise ValueError(f"retry_budget_s must be a number >= 0, got {retry_budget_s!r}")
         if isinstance(multipart_bytes, bool) or not isinstance(multipart_bytes, int) or multipart_bytes < 5 << 20:
             raise ValueError(f"multipart_bytes must be an int >= 5 MiB (S3's smallest part), got {multipart_bytes!r}")
         if helper_cpus is not None:
@@ -99,25 +141,46 @@ class Checkpointer:
                 raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
         self.uri = uri
         self.store: ObjectStore = open_store(uri, endpoint_url, multipart_bytes)  # reads from this process
+        self._probe()
         self._helper_cpus = set(helper_cpus or [])
         self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=sorted(self._helper_cpus),
                                    multipart_bytes=multipart_bytes)  # writes, from the helper
         self.interval_s = float(interval_s)
         self.keep_last = keep_last
+        self.keep_tags = keep_tags
+        self.on_error = on_error
         self.retry_budget_s = retry_budget_s
         self.session = uuid.uuid4().hex[:12]
         self.buffer: RolloutBuffer | None = None
         self._keys: dict[int, str] = {}  # live shard id -> object key (trainer writes, worker reads)
         self._keys_lock = threading.Lock()
         self._durable: set[str] = set()
+        self._pending: dict[str, _Upload] = {}  # worker only: uploads that failed, retried by the next publish
+        self._manifest_refs: dict[str, tuple[set[str], set[str]]] = {}  # worker only: manifests are immutable
+        self._tag_pointers: dict[str, dict[str, Any]] = {}  # worker only: tags/<tag>.json -> its pointer
         self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
+        # Incident bookkeeping: written by the worker, read by the trainer (plain values under the GIL).
+        self.failures = 0
+        self._incident: str | None = None
+        self._incident_raised = False
+        self._last_success_unix: float | None = None
+        self._durable_taken_at = time.monotonic()  # before any publish: everything since attach is at risk
+        self._background_publish: _Publish | None = None
         self._last_publish = time.monotonic()
         self._sequence = self._next_sequence()
         self._worker = threading.Thread(target=self._run, name="torchreplay-checkpoint", daemon=True)
         self._worker.start()
         self.published: list[str] = []
         self.last_manifest: str | None = None
+
+    def _probe(self) -> None:
+        try:
+            self.store.probe()
+        except PermanentError as exc:
+            raise CheckpointError(f"cannot checkpoint to {self.uri}: {exc}") from exc
+        except CheckpointError as exc:
+            log.warning("torchreplay checkpoint: %s is not reachable now (%s); background checkpoints will retry",
+                        self.uri, exc)
 
     def _next_sequence(self) -> int:
         try:
@@ -137,9 +200,21 @@ class Checkpointer:
                 self._durable.add(key)
 
     def check(self) -> None:
-        if self._error is not None:
-            err = self._error
-            raise CheckpointError(f"background checkpoint failed: {err}") from err
+        """With on_error="raise", raise CheckpointError once for an open incident."""
+        incident = self._incident
+        if self.on_error == "raise" and incident is not None and not self._incident_raised:
+            self._incident_raised = True
+            raise CheckpointError(f"background checkpoint failed ({self.failures} failures so far; the buffer "
+                                  f"keeps working and the next publish retries): {incident}")
+
+    def metrics(self) -> dict[str, float]:
+        """checkpoint_failures: failed background uploads and publishes so far;
+        checkpoint_last_success_s: Unix time of the last durable manifest (nan before the first);
+        checkpoint_lag_s: age of the newest durable state (what a crash now would lose)."""
+        last = self._last_success_unix
+        return {"checkpoint_failures": float(self.failures),
+                "checkpoint_last_success_s": math.nan if last is None else last,
+                "checkpoint_lag_s": time.monotonic() - self._durable_taken_at}
 
     def shard_sealed(self, shard_id: int) -> None:
         storage = self.buffer.storage
@@ -156,34 +231,52 @@ class Checkpointer:
             self._keys.pop(shard_id, None)
 
     def maybe_publish(self) -> None:
+        """Publish in the background when one is due and none is still on its way."""
+        outstanding = self._background_publish
+        if outstanding is not None and not outstanding.done.is_set():
+            return  # during an outage, piling up publishes would only lengthen the queue
         if time.monotonic() - self._last_publish >= self.interval_s:
-            self.publish(wait=False)
+            self._background_publish = self._enqueue_publish(tag=None, background=True)
 
-    def publish(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Snapshot the buffer's metadata and publish a manifest; with `wait`, return when durable."""
-        self.check()
+    def publish(self, wait: bool = True, timeout: float | None = None, tag: Any = None) -> None:
+        """Snapshot the buffer's metadata and publish a manifest (under `tag`, if given); with
+        `wait`, return when it is durable, or raise CheckpointError if this publish failed."""
+        tag = None if tag is None else check_tag(tag)
+        job = self._enqueue_publish(tag, background=not wait)
+        if wait:
+            if not job.done.wait(timeout):
+                raise CheckpointError(f"checkpoint {job.sequence} not durable within {timeout}s")
+            if job.error is not None:
+                raise CheckpointError(f"checkpoint {job.sequence}{f' (tag {tag})' if tag else ''} failed: "
+                                      f"{job.error}") from job.error
+
+    def _enqueue_publish(self, tag: str | None, background: bool) -> _Publish:
         buffer = self.buffer
         state = snapshot.metadata_state(buffer)
         live_ids, live_rows = snapshot.live_shards(buffer.slots)
         with self._keys_lock:
             keys = {sid: self._keys[sid] for sid in live_ids}
-        job = _Publish(self._sequence, state, keys,
-                       dict(zip(live_ids, live_rows)), threading.Event())
+        job = _Publish(self._sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background)
         self._sequence += 1
         self._last_publish = time.monotonic()
         self.last_manifest = f"manifests/{job.sequence:012d}.json"
         self._queue.put(job)
-        if wait:
-            if not job.done.wait(timeout):
-                raise CheckpointError(f"checkpoint {job.sequence} not durable within {timeout}s")
-            self.check()
+        return job
 
     def close(self, final: bool = True) -> None:
-        if final and self.buffer is not None and self._error is None:
-            self.publish(wait=True)
-        self._queue.put(None)
-        self._worker.join()
-        self.check()
+        """Stop the worker; with `final`, publish once more first and raise if that fails."""
+        final_error: BaseException | None = None
+        try:
+            if final and self.buffer is not None:
+                try:
+                    self.publish(wait=True)
+                except CheckpointError as exc:
+                    final_error = exc
+        finally:
+            self._queue.put(None)
+            self._worker.join()
+        if final_error is not None:
+            raise final_error
 
     # ------------------------------------------------------------------------- worker thread
     def _run(self) -> None:
@@ -197,11 +290,13 @@ class Checkpointer:
         try:
             self._remote.start()  # from this thread: the helper lives exactly as long as it does
         except OSError as exc:
-            self._error = CheckpointError(f"cannot start the checkpoint upload helper: {exc}")
+            self._failed(f"cannot start the checkpoint upload helper: {exc}")
         try:
             self._drain()
         finally:
             self._remote.close()
+            self._unpin([job.shard for job in self._pending.values()])
+            self._pending.clear()
 
     def _drain(self) -> None:
         while True:
@@ -215,30 +310,59 @@ class Checkpointer:
                     jobs.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            files: list[_Upload] = []
+            uploads: list[_Upload] = []
             for job in jobs:
-                if isinstance(job, _Upload) and self._ready_file(job):
-                    files.append(job)
+                if isinstance(job, _Upload):
+                    uploads.append(job)
                     continue
-                self._run_uploads(files)
-                files = []
+                self._upload_all(uploads)
+                uploads = []
                 if job is None:
                     return
-                self._guarded(job, self._upload if isinstance(job, _Upload) else self._publish)
-            self._run_uploads(files)
+                self._run_publish(job)
+            self._upload_all(uploads)
 
-    def _guarded(self, job: Any, work: Any) -> None:
+    def _failed(self, reason: str) -> None:
+        self.failures += 1
+        if self._incident is None:
+            log.error("torchreplay checkpoint failed (training continues; the next publish retries): %s", reason)
+            self._incident_raised = False
+            self._incident = reason
+        else:
+            log.debug("torchreplay checkpoint still failing: %s", reason)
+
+    def _unpin(self, shards: list[Any]) -> None:
+        if shards:
+            self.buffer.storage.unpin_shards(shards)
+
+    def _upload_all(self, jobs: list[_Upload]) -> None:
+        """Upload shards; during an incident they wait for the next publish instead of each
+        spending the retry budget against a store that is down."""
+        if not jobs:
+            return
+        if self._incident is not None:
+            self._pending.update((job.key, job) for job in jobs)
+            return
         try:
-            if self._error is None:
-                work(job)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
-            log.error("torchreplay checkpoint failed: %s", exc)
-            self._error = exc
-        finally:
-            if isinstance(job, _Upload):
-                self.buffer.storage.unpin_shards([job.shard])
-            elif isinstance(job, _Publish):
-                job.done.set()
+            self._put_shards(jobs)
+        except Exception as exc:  # noqa: BLE001 - counted and retried, never fatal to training
+            self._pending.update((job.key, job) for job in jobs)
+            self._failed(str(exc))
+
+    def _put_shards(self, jobs: list[_Upload]) -> None:
+        files: list[_Upload] = []
+        for job in jobs:
+            if self._ready_file(job):
+                self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving elsewhere
+                files.append(job)
+            else:
+                self._put_packed(job)
+        if files:
+            self._remote.put_files([(job.key, job.source) for job in files])
+            self._durable.update(job.key for job in files)
+        for job in jobs:
+            self._pending.pop(job.key, None)
+        self._unpin([job.shard for job in jobs])
 
     def _ready_file(self, job: _Upload) -> bool:
         """Wait for the shard's spill; True when its file is complete and can go up as a file."""
@@ -247,24 +371,10 @@ class Checkpointer:
                 job.spill.result()
             except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
                 job.source = job.shard.batch()
+            job.spill = None
         return isinstance(job.source, str)
 
-    def _run_uploads(self, jobs: list[_Upload]) -> None:
-        if not jobs:
-            return
-        try:
-            if self._error is None:
-                for job in jobs:
-                    self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving elsewhere
-                self._remote.put_files([(job.key, job.source) for job in jobs])
-                self._durable.update(job.key for job in jobs)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the trainer's next call
-            log.error("torchreplay checkpoint failed: %s", exc)
-            self._error = exc
-        finally:
-            self.buffer.storage.unpin_shards([job.shard for job in jobs])
-
-    def _upload(self, job: _Upload) -> None:
+    def _put_packed(self, job: _Upload) -> None:
         """A shard with no complete file (hot-only storage, or a failed spill): packed here."""
         header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
         data = bytearray(header.file_bytes)
@@ -274,8 +384,38 @@ class Checkpointer:
         self._remote.put(job.key, data)
         self._durable.add(job.key)
 
+    def _run_publish(self, job: _Publish) -> None:
+        try:
+            self._publish(job)
+        except Exception as exc:  # noqa: BLE001 - counted; a synchronous caller also gets it raised
+            job.error = exc
+            if job.background:
+                self._failed(str(exc))
+            else:
+                self.failures += 1
+        else:
+            if job.taken_at >= self._durable_taken_at or self._last_success_unix is None:
+                self._durable_taken_at = job.taken_at
+            self._last_success_unix = time.time()
+            if self._incident is not None:
+                log.warning("torchreplay checkpoint recovered: %s is durable after %d failures",
+                            self.published[-1], self.failures)
+                self._incident = None
+        finally:
+            job.done.set()
+
     def _publish(self, job: _Publish) -> None:
-        missing = [k for k in job.shard_keys.values() if k not in self._durable]
+        with self._keys_lock:
+            still_live = dict(self._keys)
+        # Shards whose upload failed earlier: the ones this manifest needs go up now; the ones the
+        # buffer has released since will never be named again.
+        gone = [key for key, up in self._pending.items() if still_live.get(up.shard_id) != key]
+        self._unpin([self._pending.pop(key).shard for key in gone])
+        named = set(job.shard_keys.values())
+        retry = [up for key, up in self._pending.items() if key in named]
+        if retry:
+            self._put_shards(retry)
+        missing = [k for k in named if k not in self._durable]
         if missing:
             raise CheckpointError(f"manifest {job.sequence} names shards that are not durable: {missing[:3]}")
         text, blob = tensorfile.pack(job.state)
@@ -294,45 +434,78 @@ class Checkpointer:
             "rollouts": int(job.state["count"]),
             "policy_version": int(job.state["version"]),
         }
+        if job.tag is not None:
+            manifest["tag"] = job.tag
         manifest_key = f"manifests/{name}.json"
-        payload = json.dumps(manifest, separators=(",", ":")).encode()
-        self._remote.put(manifest_key, payload)
-        pointer = json.dumps({"manifest": manifest_key}).encode()
-        self._remote.put("LATEST", pointer)
+        self._remote.put(manifest_key, json.dumps(manifest, separators=(",", ":")).encode())
+        self._manifest_refs[manifest_key] = ({s["key"] for s in manifest["shards"]}, {state_key, blob_key})
+        if job.tag is not None:
+            pointer = {"manifest": manifest_key, "sequence": job.sequence, "policy_version": manifest["policy_version"]}
+            self._remote.put(f"tags/{job.tag}.json", json.dumps(pointer).encode())
+            self._tag_pointers[f"tags/{job.tag}.json"] = pointer
+        self._remote.put("LATEST", json.dumps({"manifest": manifest_key}).encode())
         self.published.append(manifest_key)
         self._collect_garbage()
 
+    def _retained_tags(self) -> tuple[set[str], list[str]]:
+        """Manifests the retained tags name, and the tag objects past `keep_tags` to delete."""
+        for key in self._remote.list("tags"):
+            if key not in self._tag_pointers:
+                try:
+                    pointer = json.loads(self._remote.get(key))
+                    self._tag_pointers[key] = pointer if isinstance(pointer, dict) else {}
+                except (CheckpointError, ValueError):
+                    self._tag_pointers[key] = {}  # unreadable: keeps nothing alive, and is not deleted
+        by_age = sorted(self._tag_pointers.items(), key=lambda item: item[1].get("sequence", -1), reverse=True)
+        keep = by_age if self.keep_tags is None else by_age[: self.keep_tags]
+        drop = [] if self.keep_tags is None else [key for key, p in by_age[self.keep_tags :] if p]
+        for key in drop:
+            del self._tag_pointers[key]
+        return {p.get("manifest") for _, p in keep if isinstance(p.get("manifest"), str)}, drop
+
+    def _refs(self, manifest_key: str) -> tuple[set[str], set[str]]:
+        if manifest_key not in self._manifest_refs:
+            m = json.loads(self._remote.get(manifest_key))
+            self._manifest_refs[manifest_key] = ({s["key"] for s in m["shards"]}, {m["state"]["json"], m["state"]["blob"]})
+        return self._manifest_refs[manifest_key]
+
     def _collect_garbage(self) -> None:
         manifests = self._remote.list("manifests")
-        keep, drop = manifests[-self.keep_last :], manifests[: -self.keep_last]
+        tagged, stale_tags = self._retained_tags()
+        keep = set(manifests[-self.keep_last :]) | (tagged & set(manifests))
+        drop = [key for key in manifests if key not in keep]
         needed: set[str] = set()
         kept_states: set[str] = set()
         for key in keep:
-            m = json.loads(self._remote.get(key))
-            needed.update(s["key"] for s in m["shards"])
-            kept_states.update((m["state"]["json"], m["state"]["blob"]))
+            shard_keys, state_keys = self._refs(key)
+            needed |= shard_keys
+            kept_states |= state_keys
         # Shards sealed after the newest manifest are not named yet but will be: keep this session's
         # durable shards that are still live.
         with self._keys_lock:
             needed.update(self._keys.values())
         stale_shards = [k for k in self._remote.list("shards") if k not in needed]
         stale_states = [k for k in self._remote.list("state") if k not in kept_states]
+        # Tags first: a tag never names a manifest that is gone.
+        self._remote.delete(stale_tags)
         self._remote.delete(drop + stale_states + stale_shards)
+        for key in drop:
+            self._manifest_refs.pop(key, None)
         self._durable.difference_update(stale_shards)
 
 
-def read_manifest(store: ObjectStore, key: str | None = None) -> dict[str, Any]:
-    """The manifest `key`, or the newest one (following LATEST); validated before anything is
-    allocated or opened."""
-    from torchreplay.checkpoint.store import check_key
-
-    if key is None:
-        boundedjson.check_size(store.size("LATEST"), boundedjson.MAX_POINTER_BYTES, f"{store.uri}/LATEST",
-                               CheckpointError)
-        pointer = boundedjson.loads(store.get("LATEST"), f"{store.uri}/LATEST", CheckpointError)
-        if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
-            raise CheckpointError(f"{store.uri}/LATEST does not name a manifest")
-        key = pointer["manifest"]
+def read_manifest(store: ObjectStore, key: str | None = None, tag: Any = None) -> dict[str, Any]:
+    """The manifest `key`, the one tagged `tag`, or the newest one (following LATEST); validated
+    before anything is allocated or opened."""
+    if key is not None and tag is not None:
+        raise ValueError("pass a manifest key or a tag, not both")
+    if tag is not None:
+        tag_key = f"tags/{check_tag(tag)}.json"
+        if not store.exists(tag_key):
+            raise CheckpointError(f"no checkpoint tagged {str(tag)!r} under {store.uri}")
+        key = _read_pointer(store, tag_key)
+    elif key is None:
+        key = _read_pointer(store, "LATEST")
     key = check_key(key)
     if not key.startswith("manifests/"):
         raise CheckpointError(f"{key!r} is not a manifest key (outside manifests/)")
@@ -342,26 +515,33 @@ def read_manifest(store: ObjectStore, key: str | None = None) -> dict[str, Any]:
     return manifest
 
 
-def validate_manifest(m: Any) -> None:
-    from torchreplay.checkpoint.store import check_key
+def _read_pointer(store: ObjectStore, key: str) -> str:
+    where = f"{store.uri}/{key}"
+    boundedjson.check_size(store.size(key), boundedjson.MAX_POINTER_BYTES, where, CheckpointError)
+    pointer = boundedjson.loads(store.get(key), where, CheckpointError)
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
+        raise CheckpointError(f"{where} does not name a manifest")
+    return pointer["manifest"]
 
+
+def validate_manifest(m: Any) -> None:
     if not isinstance(m, dict):
         raise CheckpointError("manifest must be a JSON object")
     if m.get("format_version") != MANIFEST_VERSION:
         raise CheckpointError(f"unsupported manifest format_version {m.get('format_version')!r}")
-    for field in ("sequence", "rollouts", "policy_version"):
-        if isinstance(m.get(field), bool) or not isinstance(m.get(field), int) or m[field] < 0:
-            raise CheckpointError(f"manifest field {field!r} must be a non-negative int, got {m.get(field)!r}")
+    for name in ("sequence", "rollouts", "policy_version"):
+        if isinstance(m.get(name), bool) or not isinstance(m.get(name), int) or m[name] < 0:
+            raise CheckpointError(f"manifest field {name!r} must be a non-negative int, got {m.get(name)!r}")
     state = m.get("state")
     if not isinstance(state, dict):
         raise CheckpointError("manifest 'state' must be an object")
-    for field in ("json", "blob"):
-        key = state.get(field)
+    for name in ("json", "blob"):
+        key = state.get(name)
         if not isinstance(key, str) or not check_key(key).startswith("state/"):
-            raise CheckpointError(f"manifest state.{field} {key!r} must be a key under state/")
-    for field in ("json_bytes", "blob_bytes"):
-        if isinstance(state.get(field), bool) or not isinstance(state.get(field), int) or not 0 <= state[field] < 1 << 40:
-            raise CheckpointError(f"manifest state.{field} must be a size in bytes, got {state.get(field)!r}")
+            raise CheckpointError(f"manifest state.{name} {key!r} must be a key under state/")
+    for name in ("json_bytes", "blob_bytes"):
+        if isinstance(state.get(name), bool) or not isinstance(state.get(name), int) or not 0 <= state[name] < 1 << 40:
+            raise CheckpointError(f"manifest state.{name} must be a size in bytes, got {state.get(name)!r}")
     shards = m.get("shards")
     if not isinstance(shards, list):
         raise CheckpointError("manifest 'shards' must be a list")

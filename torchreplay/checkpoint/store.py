@@ -13,6 +13,7 @@ import os
 import random
 import re
 import stat
+import tempfile
 import time
 from typing import Callable, Protocol, TypeVar
 from urllib.parse import urlparse
@@ -23,12 +24,25 @@ log = logging.getLogger("torchreplay.checkpoint")
 T = TypeVar("T")
 
 # Keys a checkpoint writes: no absolute paths, no "..", nothing outside these rooms.
-KEY_PATTERN = re.compile(r"^(shards|manifests|state)/[A-Za-z0-9._-]{1,200}$|^LATEST$")
+KEY_PATTERN = re.compile(r"^(shards|manifests|state|tags)/[A-Za-z0-9._-]{1,200}$|^LATEST$")
+ROOMS = ("shards", "manifests", "state", "tags")
+# OS errors that waiting will not fix: the next publish tries again, but this one stops at once.
+PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG,
+                    errno.ENOTDIR, errno.EISDIR}
+# S3 answers that a retry cannot change (a missing bucket, refused credentials, a malformed request).
+PERMANENT_S3_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                      "InvalidBucketName", "AllAccessDisabled", "AccountProblem", "InvalidRequest",
+                      "InvalidArgument", "MalformedXML", "InvalidToken", "ExpiredToken"}
 
 
 class MissingObject(CheckpointError):
     """The object does not exist. Not retried: S3 and local files are strongly consistent, so a
     missing object stays missing (a deleted shard, a wrong prefix)."""
+
+
+class PermanentError(CheckpointError):
+    """A failure that a retry cannot fix (403, a missing bucket, 400, EACCES or ENOSPC on a
+    file:// root): raised at once instead of spending the retry budget."""
 
 
 class RefusedObject(CheckpointError):
@@ -37,7 +51,12 @@ class RefusedObject(CheckpointError):
 
 
 def _file_error(what: str, path: str, exc: OSError) -> CheckpointError:
-    cls = MissingObject if isinstance(exc, FileNotFoundError) else CheckpointError
+    if isinstance(exc, FileNotFoundError):
+        cls = MissingObject
+    elif exc.errno in PERMANENT_ERRNOS:
+        cls = PermanentError
+    else:
+        cls = CheckpointError
     return cls(f"cannot {what} {path}: {exc}")
 
 
@@ -88,6 +107,8 @@ class ObjectStore(Protocol):
 
     def delete(self, keys: list[str]) -> None: ...
 
+    def probe(self) -> None: ...
+
 
 class FileStore:
     """A local directory. `put` is atomic (temp file, fsync, rename, fsync of the directory)."""
@@ -95,8 +116,23 @@ class FileStore:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.uri = "file://" + self.root
-        for room in ("shards", "manifests", "state"):
-            os.makedirs(os.path.join(self.root, room), exist_ok=True)
+        for room in ROOMS:
+            path = os.path.join(self.root, room)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise _file_error("create", path, exc) from exc
+
+    def probe(self) -> None:
+        """Fail now, naming the directory, if checkpoints cannot be written there."""
+        for room in ROOMS:
+            directory = os.path.join(self.root, room)
+            try:
+                fd, path = tempfile.mkstemp(dir=directory, prefix=".probe.partial-")
+                os.close(fd)
+                os.unlink(path)
+            except OSError as exc:
+                raise _file_error("write in", directory, exc) from exc
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, check_key(key))
@@ -122,7 +158,7 @@ class FileStore:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise CheckpointError(f"cannot write {path}: {exc}") from exc
+            raise _file_error("write", path, exc) from exc
 
     def put(self, key: str, data: bytes) -> None:
         def write(tmp: str) -> None:
@@ -193,7 +229,7 @@ class FileStore:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise CheckpointError(f"cannot delete {self._path(key)}: {exc}") from exc
+                raise _file_error("delete", self._path(key), exc) from exc
 
 
 class S3Store:
@@ -213,8 +249,11 @@ class S3Store:
         self.uri = uri.rstrip("/")
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
-        # Retries are ours (bounded, with jitter, see Checkpointer): botocore makes one attempt.
-        config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=connect_timeout_s,
+        self.endpoint_url = endpoint_url
+        # botocore's standard mode retries what it classifies as transient (throttling, 5xx,
+        # dropped connections) with jittered backoff, per request, so one failed multipart part is
+        # retried alone. `with_retries` bounds the whole operation by the wall-clock budget.
+        config = Config(retries={"total_max_attempts": 5, "mode": "standard"}, connect_timeout=connect_timeout_s,
                         read_timeout=read_timeout_s, request_checksum_calculation="when_supported")
         session = boto3.session.Session()
         self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
@@ -232,9 +271,21 @@ class S3Store:
         try:
             return fn()
         except (BotoCoreError, ClientError, Boto3Error) as exc:
-            code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
-            cls = MissingObject if code in ("404", "NoSuchKey", "NotFound") else CheckpointError
-            raise cls(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed: {exc}") from exc
+            code, status = s3_error_code(exc)
+            if code in ("404", "NoSuchKey", "NotFound"):
+                cls = MissingObject
+            elif code in PERMANENT_S3_CODES or status in (400, 401, 403):
+                cls = PermanentError
+            else:
+                cls = CheckpointError
+            raise cls(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed ({code or type(exc).__name__}): "
+                      f"{exc}") from exc
+
+    def probe(self) -> None:
+        """Fail now if the bucket is missing or the credentials are refused: one listing of the
+        prefix, which needs both (a PermanentError names the bucket and S3's error code)."""
+        self._wrap("list", "LATEST", lambda: self.client.list_objects_v2(
+            Bucket=self.bucket, Prefix=self._key("LATEST"), MaxKeys=1))
 
     def put(self, key: str, data: bytes) -> None:
         self._wrap("put", key, lambda: self.client.put_object(
@@ -295,6 +346,21 @@ class S3Store:
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
 
 
+def s3_error_code(exc: BaseException) -> tuple[str | None, int | None]:
+    """S3's error code and HTTP status behind `exc`, which may wrap the ClientError (boto3's
+    transfer manager raises its own exception types with the original as the cause)."""
+    from botocore.exceptions import ClientError
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ClientError):
+            return (exc.response.get("Error", {}).get("Code"),
+                    exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None, None
+
+
 def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20) -> ObjectStore:
     """The store at `uri`; `multipart_bytes` is the size from which S3 uploads go in parts."""
     if not isinstance(uri, str):
@@ -320,7 +386,7 @@ def with_retries(fn: Callable[[], T], budget_s: float, what: str, base_s: float 
     while True:
         try:
             return fn()
-        except (MissingObject, RefusedObject):
+        except (MissingObject, RefusedObject, PermanentError):
             raise
         except CheckpointError as exc:
             attempt += 1

@@ -28,9 +28,11 @@ import sys
 import threading
 from typing import Any
 
+from torchreplay.checkpoint.store import MissingObject, PermanentError, RefusedObject
 from torchreplay.errors import CheckpointError
 
 _LENGTH = struct.Struct("<Q")
+_ERROR_KINDS = {cls.__name__: cls for cls in (MissingObject, PermanentError, RefusedObject)}
 _MAX_HEADER = 1 << 20
 # The helper imports only this package's store code: bringing up torch would cost it seconds
 # of start-up and hundreds of MiB for nothing. Empty package modules stand in for the package
@@ -118,10 +120,19 @@ class RemoteStore:
                 reason = "no reply"
             if reply is None:
                 code = proc.poll()
+                # A dead helper is started afresh by the next call: one crash must not end checkpoints.
+                self._proc = None
+                try:
+                    proc.kill()
+                    proc.wait()
+                except OSError:
+                    pass
                 raise CheckpointError(f"checkpoint upload helper for {self.uri} failed ({reason}; exit code {code})")
         answer, data = reply
         if not answer.get("ok"):
-            raise CheckpointError(str(answer.get("error", "unknown error in the upload helper")))
+            # The helper's error class travels by name, so "do not retry" survives the pipe.
+            cls = _ERROR_KINDS.get(answer.get("kind"), CheckpointError)
+            raise cls(str(answer.get("error", "unknown error in the upload helper")))
         return answer.get("result"), data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
@@ -243,7 +254,7 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
                 raise CheckpointError(f"unknown upload helper op {op!r}")
             reply = {"ok": True, "result": result}
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the trainer
-            reply, data = {"ok": False, "error": str(exc)}, b""
+            reply, data = {"ok": False, "error": str(exc), "kind": type(exc).__name__}, b""
         try:
             _write_frame(stdout, reply, data)
         except OSError:
