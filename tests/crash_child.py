@@ -25,7 +25,9 @@ def rollout_batch(first_id: int, n: int, version: int) -> dict:
             "group_id": torch.tensor(ids), "policy_version": version}
 
 
-def main(uri: str, spill: str, seed: int) -> None:
+def main(uri: str, spill: str, seed: int, mode: str = "latest") -> None:
+    """mode "latest": untagged checkpoints every 4 steps; "tags": checkpoint(tag=step) every 2nd
+    step, printing "tagged=<step>" once each is durable."""
     buf = tr.RolloutBuffer(
         512, sampler=tr.PrioritizedSampler(alpha=0.8), max_staleness=6, max_reuse=5, seed=seed,
         storage=tr.TieredStorage(hot_bytes=256 << 10, spill_dir=spill, io="posix"),
@@ -40,9 +42,12 @@ def main(uri: str, spill: str, seed: int) -> None:
         buf.sample(16)
         step += 1
         buf.advance(step)
-        if step % 4 == 0:
+        if mode == "tags" and step % 2 == 0:
+            buf.checkpoint(tag=step)
+            print(f"tagged={step}", flush=True)
+        elif mode == "latest" and step % 4 == 0:
             buf.checkpoint()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

@@ -8,22 +8,19 @@ leaves the buffer as it was.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
-from torchreplay.samplers import PrioritizedSampler, Sampler
+from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
-from torchreplay.shards import ShardKeeper
+from torchreplay.shards import ShardKeeper, ShardListener
 from torchreplay.slots import TABLE_FIELDS, SlotTable
 from torchreplay.snapshot import BufferConfig, Persistence
 from torchreplay.storage import CorruptRows, TieredStorage
-
-if TYPE_CHECKING:
-    from torchreplay.checkpoint import Checkpointer
 
 __all__ = ["RolloutBuffer", "PendingBatch", "Handles", "ReplayBatch"]
 
@@ -71,17 +68,18 @@ class RolloutBuffer(Persistence):
         extra_fields: Mapping[str, FieldSpec] | None = None,
         storage: TieredStorage | None = None,
         on_corrupt: str = "raise",
-        checkpoint: "Checkpointer | None" = None,
+        checkpoint: ShardListener | None = None,
         seed: int | None = None,
         token_dtype: torch.dtype = torch.int64,
     ) -> None:
-        self.settings = BufferConfig(capacity, max_staleness, max_reuse, overflow, padding_side, pad_token_id,
-                                     ref_logprobs, routing, extra_fields, on_corrupt, token_dtype)
         if storage is not None and not isinstance(storage, TieredStorage):
             raise TypeError(f"storage must be a TieredStorage, got {type(storage).__name__}")
         sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(sampler, Sampler):
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(sampler).__name__}")
+        self.settings = BufferConfig(capacity, max_staleness, max_reuse, overflow, padding_side, pad_token_id,
+                                     ref_logprobs, routing, extra_fields, on_corrupt, token_dtype,
+                                     sampler_spec(sampler))
         self.fields: dict[str, FieldSpec] = self.settings.fields()
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
@@ -90,12 +88,7 @@ class RolloutBuffer(Persistence):
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         if checkpoint is not None:
-            from torchreplay.checkpoint import Checkpointer
-
-            if not isinstance(checkpoint, Checkpointer):
-                raise TypeError(f"checkpoint must be a Checkpointer, got {type(checkpoint).__name__}")
-            self.checkpointer = checkpoint
-            checkpoint.attach(self)
+            self.attach_checkpointer(checkpoint)
 
     # The configuration has one copy, `settings` (frozen); only the caps may change later.
     capacity = property(lambda self: self.settings.capacity)
@@ -131,13 +124,9 @@ class RolloutBuffer(Persistence):
         return self.shards.storage
 
     @property
-    def checkpointer(self) -> "Checkpointer | None":
-        """Where shards and manifests go (None: no checkpoints)."""
+    def checkpointer(self) -> ShardListener | None:
+        """Where shards and manifests go (None: no checkpoints); see `attach_checkpointer`."""
         return self.shards.checkpointer
-
-    @checkpointer.setter
-    def checkpointer(self, value: "Checkpointer | None") -> None:
-        self.shards.checkpointer = value
 
     @property
     def slots(self) -> SlotTable:

@@ -88,7 +88,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from torchreplay import snapshot
 from torchreplay.assembly import effective_sample_size, padding_mask
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
@@ -280,7 +279,7 @@ def _discard(buffer: RolloutBuffer | None) -> None:
     """Drop a shard built by a failed collective call: no final checkpoint, files released."""
     if buffer is None:
         return
-    ckpt, buffer.checkpointer = buffer.checkpointer, None
+    ckpt = buffer.detach_checkpointer()
     if ckpt is not None:
         with contextlib.suppress(CheckpointError):
             ckpt.close(final=False)
@@ -362,11 +361,7 @@ class DistributedRolloutBuffer:
     def _attach_checkpointer(self, ckpt: Checkpointer) -> None:
         """Checkpoint the local shard through `ckpt` from now on; shards it already holds are
         uploaded in the background (the next manifest waits for them)."""
-        buffer = self.buffer
-        buffer.checkpointer = ckpt
-        ckpt.attach(buffer)
-        for sid in snapshot.live_shards(buffer.slots)[0]:
-            ckpt.shard_sealed(sid)
+        self.buffer.attach_checkpointer(ckpt)
 
     # ------------------------------------------------------------------------------ plumbing
     def _collective(self, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -414,13 +409,9 @@ class DistributedRolloutBuffer:
         return out
 
     def _config_fingerprint(self, checkpoint_uri: str | None) -> float:
-        b = self.buffer
-        sampler = b.sampler
-        cfg = sampler.config() if hasattr(sampler, "config") else {"per_group": getattr(sampler, "per_group", None)}
-        fields = sorted((n, s.kind, str(s.dtype), s.shape, s.required) for n, s in b.fields.items())
-        return _fingerprint(repr((self.mode, b.capacity, b.max_staleness, b.max_reuse, b.overflow, b.padding_side,
-                                  b.pad_token_id, fields, type(sampler).__name__, sorted(cfg.items()),
-                                  checkpoint_uri)))
+        # The buffer's whole configuration (sampler spec included, caps as they are now), the mode
+        # and where it checkpoints: ranks that differ in any of them would sample inconsistently.
+        return _fingerprint(repr((self.mode, self.buffer.config().fingerprint(), checkpoint_uri)))
 
     def _agree(self, step: str, values: list[float], error: BaseException | None) -> torch.Tensor:
         """One all_reduce of every rank's [ok, *values] row, as [W, 1 + len(values)]. A rank that

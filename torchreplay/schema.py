@@ -341,6 +341,54 @@ def _storages(batch: Mapping[str, Any]) -> set[int]:
     return found
 
 
+StoredField = tuple[str, torch.dtype, tuple[int, ...], int]  # kind, dtype, per-row shape, rows
+
+
+def check_stored_fields(fields: Mapping[str, FieldSpec], stored: Mapping[str, StoredField],
+                        convertible: bool = False) -> None:
+    """Check fields stored apart from a batch (a shard file's blocks, a state_dict chunk's tensors)
+    against `fields`, the specs of what such a store holds, before they are adopted: no unknown
+    field, every required one present, each with the spec's kind, dtype and per-row shape.
+
+    Adopted rows skip `validate_batch`, so a dtype must be the stored one exactly; `convertible`
+    accepts any dtype `validate_batch` converts, for rows that will go through `add` (an import).
+    Raises SchemaError naming the field and the problem."""
+    for name, (kind, dtype, shape, _) in stored.items():
+        spec = fields.get(name)
+        if spec is None:
+            raise SchemaError(f"field {name!r}: unknown to this buffer's schema")
+        if kind != spec.kind:
+            raise SchemaError(f"field {name!r}: stored with kind {kind!r}, the schema's kind is {spec.kind!r}")
+        if not (_dtype_ok(spec, dtype) if convertible else dtype == spec.dtype):
+            want = f"{spec.accept} values" if convertible else str(spec.dtype)
+            raise SchemaError(f"field {name!r}: stored dtype {dtype}, the schema needs {want}")
+        if tuple(shape) != spec.shape:
+            raise SchemaError(f"field {name!r}: stored rows of shape {tuple(shape)}, the schema has {spec.shape}")
+    missing = [name for name, spec in fields.items() if spec.required and name not in stored]
+    if missing:
+        raise SchemaError(f"missing required field(s) {missing}")
+
+
+def check_stored_offsets(offsets: torch.Tensor, stored: Mapping[str, StoredField]) -> None:
+    """Check stored rows' offsets: n + 1 int64 from 0, strictly increasing (`validate_batch`
+    refuses an empty rollout, and samples of one are garbage), ending at every token field's row
+    count; every rollout field holds n rows. Raises SchemaError naming the field and the problem."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1 \
+            or offsets.dtype != torch.int64:
+        raise SchemaError("field 'offsets': must be a 1-D int64 tensor of n + 1 entries")
+    if int(offsets[0]) != 0:
+        raise SchemaError(f"field 'offsets': starts at {int(offsets[0])}, not 0")
+    empty = offsets[1:] <= offsets[:-1]
+    if bool(empty.any()):
+        raise SchemaError(f"field 'offsets', rollout {_first_bad(empty)}: empty rollout (offsets must be "
+                          f"strictly increasing)")
+    n, total = offsets.numel() - 1, int(offsets[-1])
+    for name, (kind, _, _, rows) in stored.items():
+        want = total if kind == TOKEN else n
+        if rows != want:
+            raise SchemaError(f"field {name!r}: {rows} rows, the offsets say {want}")
+
+
 def check_finite_advantages(advantages: torch.Tensor, name: str = "advantages") -> None:
     bad = ~torch.isfinite(advantages)
     if bool(bad.any()):

@@ -7,7 +7,7 @@ raised on the trainer's next call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -16,8 +16,35 @@ from torchreplay.schema import PackedBatch
 from torchreplay.slots import SlotTable
 from torchreplay.storage import CorruptRows, TieredStorage
 
-if TYPE_CHECKING:
-    from torchreplay.checkpoint import Checkpointer
+
+@runtime_checkable
+class ShardListener(Protocol):
+    """What follows a buffer's shards: the Checkpointer implements it. The buffer calls it and
+    never imports it, so persistence depends on the buffer and not the other way round."""
+
+    def attach(self, buffer: Any, known: dict[int, str] | None = None) -> None:
+        """Bound to `buffer`; `known` maps shard ids already durable to their object keys."""
+
+    def shard_sealed(self, shard_id: int) -> None:
+        """A shard was written (or adopted) and will not change."""
+
+    def shard_released(self, shard_id: int) -> None:
+        """A shard holds no live rollout any more."""
+
+    def check(self) -> None:
+        """Raise a background failure the caller should see now (or nothing)."""
+
+    def maybe_publish(self) -> None:
+        """Persist the buffer's state if one is due (called on buffer calls)."""
+
+    def publish(self, wait: bool = True, timeout: float | None = None, tag: Any = None) -> None:
+        """Persist the buffer's state now."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers merged into the buffer's metrics()."""
+
+    def close(self, final: bool = True) -> None:
+        """Stop; with `final`, persist once more first."""
 
 
 class ShardKeeper:
@@ -25,7 +52,7 @@ class ShardKeeper:
 
     def __init__(self, storage: TieredStorage) -> None:
         self.storage = storage
-        self.checkpointer: "Checkpointer | None" = None
+        self.checkpointer: ShardListener | None = None
 
     def put(self, batch: PackedBatch) -> int:
         sid = self.storage.put(batch)

@@ -3,29 +3,45 @@ read and write, and its validation before anything is adopted."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import torch
 
+from torchreplay.errors import SchemaError
 from torchreplay.ledger import check_cap
-from torchreplay.schema import FieldSpec, PackedBatch, default_fields
-from torchreplay.slots import SlotTable
+from torchreplay.schema import (
+    ROLLOUT,
+    TOKEN,
+    FieldSpec,
+    PackedBatch,
+    check_stored_fields,
+    check_stored_offsets,
+    default_fields,
+)
+from torchreplay.shards import ShardListener
+from torchreplay.slots import TABLE_FIELDS, SlotTable
+from torchreplay.storage.format import DTYPE_NAMES, DTYPES
 
 if TYPE_CHECKING:
     from torchreplay.assembly import Handles
     from torchreplay.buffer import RolloutBuffer
-    from torchreplay.checkpoint import Checkpointer
     from torchreplay.samplers import Sampler
     from torchreplay.storage import TieredStorage
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the config records extra fields' specs and the sampler spec
+READABLE_STATE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
 class BufferConfig:
     """The arguments that shape a buffer's behaviour, validated once (ValueError/TypeError naming
-    the argument). Checkpoints record `as_dict()`; the caps may later change on the buffer."""
+    the argument): the single source of a buffer's configuration. `buffer.config()` gives it with
+    the caps as they are now; checkpoints record `to_json()`, restores rebuild the buffer from
+    `from_json(...)`, and distributed ranks compare `fingerprint()`s."""
 
     capacity: int
     max_staleness: int | None = None
@@ -38,6 +54,7 @@ class BufferConfig:
     extra_fields: Mapping[str, FieldSpec] | None = None
     on_corrupt: str = "raise"
     token_dtype: torch.dtype = torch.int64
+    sampler: Mapping[str, Any] | None = None  # {"type", "config"} (samplers.sampler_spec), None if unknown
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
@@ -50,25 +67,98 @@ class BufferConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
             raise TypeError(f"pad_token_id must be an int, got {self.pad_token_id!r}")
+        if not isinstance(self.ref_logprobs, bool):
+            raise TypeError(f"ref_logprobs must be a bool, got {self.ref_logprobs!r}")
         # Copies of the caller's containers: changing them later must not change this buffer.
         if self.routing is not None:
-            object.__setattr__(self, "routing", tuple(self.routing))
+            routing = tuple(self.routing)
+            if len(routing) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in routing):
+                raise ValueError(f"routing must be (num_experts, layers, top_k) ints, got {self.routing!r}")
+            object.__setattr__(self, "routing", routing)
         if self.extra_fields is not None:
             if not isinstance(self.extra_fields, Mapping):
                 raise TypeError(f"extra_fields must be a mapping name -> FieldSpec, got {type(self.extra_fields).__name__}")
             object.__setattr__(self, "extra_fields", dict(self.extra_fields))
+        if self.sampler is not None:
+            if not isinstance(self.sampler, Mapping) or not isinstance(self.sampler.get("type"), str):
+                raise TypeError(f"sampler must be a sampler spec {{'type', 'config'}}, got {self.sampler!r}")
+            object.__setattr__(self, "sampler", {"type": self.sampler["type"], "config": self.sampler.get("config")})
+        self.fields()  # the schema itself is validated here too (token_dtype, routing, extra names)
 
     def fields(self) -> dict[str, FieldSpec]:
         return default_fields(self.ref_logprobs, self.routing, self.extra_fields, self.token_dtype)
 
-    def as_dict(self, max_staleness: int | None, max_reuse: int | None) -> dict[str, Any]:
-        """Plain values for a checkpoint, with the caps as they are now. Extra fields' specs are
-        not recorded (only their names): a restore needs `extra_fields=` passed in."""
-        return {"capacity": self.capacity, "max_staleness": max_staleness, "max_reuse": max_reuse,
-                "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
-                "ref_logprobs": self.ref_logprobs, "routing": list(self.routing) if self.routing else None,
-                "token_dtype": str(self.token_dtype).removeprefix("torch."),
-                "extra_fields": sorted(self.extra_fields or {})}
+    def with_caps(self, max_staleness: int | None, max_reuse: int | None) -> "BufferConfig":
+        return dataclasses.replace(self, max_staleness=max_staleness, max_reuse=max_reuse)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values, extra fields' specs included (a restore needs nothing passed in)."""
+        return {
+            "capacity": self.capacity, "max_staleness": self.max_staleness, "max_reuse": self.max_reuse,
+            "overflow": self.overflow, "padding_side": self.padding_side, "pad_token_id": self.pad_token_id,
+            "ref_logprobs": self.ref_logprobs, "routing": list(self.routing) if self.routing else None,
+            "extra_fields": {name: {"kind": spec.kind, "dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+                                    "required": spec.required, "accept": spec.accept}
+                             for name, spec in sorted((self.extra_fields or {}).items())},
+            "on_corrupt": self.on_corrupt, "token_dtype": DTYPE_NAMES[self.token_dtype],
+            "sampler": dict(self.sampler) if self.sampler is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, extra_fields: Mapping[str, FieldSpec] | None = None) -> "BufferConfig":
+        """The inverse of `to_json`, validated (ValueError/TypeError naming the key). Configs
+        written before extra fields' specs were recorded (a list of names) need `extra_fields`."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"buffer config must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"buffer config has unknown keys {sorted(unknown)}")
+        kwargs = dict(data)
+        if kwargs.get("routing") is not None:
+            if not isinstance(kwargs["routing"], list):
+                raise TypeError(f"buffer config routing must be a list, got {kwargs['routing']!r}")
+            kwargs["routing"] = tuple(kwargs["routing"])
+        if "token_dtype" in kwargs:
+            if kwargs["token_dtype"] not in ("int32", "int64"):
+                raise ValueError(f"buffer config token_dtype {kwargs['token_dtype']!r} is not int32/int64")
+            kwargs["token_dtype"] = DTYPES[kwargs["token_dtype"]]
+        recorded = kwargs.pop("extra_fields", None)
+        if isinstance(recorded, list):  # names only (format_version 1)
+            if sorted(extra_fields or {}) != sorted(recorded):
+                raise ValueError(f"the config declares extra fields {recorded} without their specs: pass extra_fields=...")
+            kwargs["extra_fields"] = extra_fields
+        elif recorded:
+            if not isinstance(recorded, Mapping):
+                raise TypeError("buffer config extra_fields must map names to field specs")
+            kwargs["extra_fields"] = {name: _field_from_json(name, spec) for name, spec in recorded.items()}
+        return cls(**kwargs)
+
+    def fingerprint(self) -> str:
+        """A digest of `to_json()`: equal exactly when two configurations are."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that rebuild a buffer with this configuration (the sampler aside)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sampler"}
+
+    def layout(self) -> dict[str, Any]:
+        """What stored state depends on: the slot count and the schema. A state can be loaded into
+        a buffer whose layout matches, whatever its caps, padding or sampler settings."""
+        as_json = self.to_json()
+        return {k: as_json[k] for k in ("capacity", "ref_logprobs", "routing", "extra_fields", "token_dtype")}
+
+
+def _field_from_json(name: str, spec: Any) -> FieldSpec:
+    if not isinstance(spec, Mapping) or spec.get("dtype") not in DTYPES or spec.get("kind") not in (TOKEN, ROLLOUT):
+        raise ValueError(f"buffer config extra field {name!r}: malformed spec {spec!r}")
+    shape = spec.get("shape", [])
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+        raise ValueError(f"buffer config extra field {name!r}: shape must be a list of ints >= 1, got {shape!r}")
+    if not isinstance(spec.get("required", True), bool) or spec.get("accept", "float") not in ("float", "int", "bool"):
+        raise ValueError(f"buffer config extra field {name!r}: malformed required/accept in {spec!r}")
+    return FieldSpec(name, spec["kind"], DTYPES[spec["dtype"]], tuple(shape), spec.get("required", True),
+                     spec.get("accept", "float"))
 
 
 class Persistence:
@@ -82,9 +172,29 @@ class Persistence:
         rollouts already at max_reuse are evicted."""
         self.shards.release_all(self.ledger.carry_reuse(handles.slot, reuse.to(torch.int64)))
 
-    def config(self) -> dict[str, Any]:
-        """The arguments that shape this buffer's behaviour, as plain values (checkpoints record it)."""
-        return self.settings.as_dict(self.max_staleness, self.max_reuse)
+    def attach_checkpointer(self, checkpointer: ShardListener, durable: dict[int, str] | None = None) -> None:
+        """Checkpoint this buffer through `checkpointer` from now on (the one way to attach one).
+        `durable` maps shard ids already stored at the checkpointer's location to their keys;
+        every other live shard is announced as sealed, so the next manifest waits for its upload."""
+        if not isinstance(checkpointer, ShardListener):
+            raise TypeError(f"checkpoint must be a Checkpointer (a ShardListener), got {type(checkpointer).__name__}")
+        if self.shards.checkpointer is not None:
+            raise ValueError("this buffer already has a checkpointer: detach_checkpointer() first")
+        self.shards.checkpointer = checkpointer
+        checkpointer.attach(self, known=durable or {})
+        for sid in live_shards(self.slots)[0]:
+            if sid not in (durable or {}):
+                checkpointer.shard_sealed(sid)
+
+    def detach_checkpointer(self) -> ShardListener | None:
+        """Stop checkpointing; returns the checkpointer (not closed) or None."""
+        checkpointer, self.shards.checkpointer = self.shards.checkpointer, None
+        return checkpointer
+
+    def config(self) -> BufferConfig:
+        """This buffer's configuration, with the caps as they are now (checkpoints record its
+        `to_json()`; `from_snapshot`/`from_checkpoint` rebuild a buffer from it)."""
+        return self.settings.with_caps(self.max_staleness, self.max_reuse)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
@@ -92,7 +202,7 @@ class Persistence:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`. Validates everything before changing anything."""
-        sizes = chunk_sizes(state)
+        sizes = chunk_sizes(state, self.settings.fields())
         self.load_state(state, sizes, lambda cid: self.shards.put(chunk_batch(state, cid, sizes[cid])))
 
     def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
@@ -102,11 +212,13 @@ class Persistence:
         self.shards.release_all(adopt(self, state, chunk_rows, store_chunk, self.shards.release))
         self.shards.release_all(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
 
-    def checkpoint(self, timeout: float | None = None) -> None:
-        """Publish a manifest now and return once it is durable."""
+    def checkpoint(self, tag: int | str | None = None, timeout: float | None = None) -> None:
+        """Publish a manifest now and return once it is durable; raises CheckpointError if this
+        publish fails. `tag` (e.g. the trainer's step) names it, so that `from_checkpoint(uri,
+        tag=step)` restores exactly this state alongside the trainer's own checkpoint of that step."""
         if self.checkpointer is None:
             raise ValueError("this buffer has no checkpointer: pass checkpoint=Checkpointer(uri) to RolloutBuffer")
-        self.checkpointer.publish(wait=True, timeout=timeout)
+        self.checkpointer.publish(wait=True, timeout=timeout, tag=tag)
 
     @classmethod
     def from_checkpoint(
@@ -116,10 +228,11 @@ class Persistence:
         endpoint_url: str | None = None,
         sampler: Sampler | None = None,
         storage: TieredStorage | None = None,
-        checkpoint: "Checkpointer | bool" = False,
+        checkpoint: ShardListener | bool = False,
         lazy: bool = False,
         progress: bool = True,
         manifest: str | None = None,
+        tag: int | str | None = None,
         **kwargs: Any,
     ) -> "RolloutBuffer":
         """Restore a buffer from the last published manifest under `uri`.
@@ -131,12 +244,11 @@ class Persistence:
         sample (or prefetch) needs its tokens.
         `checkpoint=True` keeps checkpointing to `uri` (a resumed job), or pass a Checkpointer.
         Built-in samplers are rebuilt from the manifest; a custom one must be passed as `sampler`.
-        `manifest` names a specific manifest key (default: the newest, via LATEST).
+        `manifest` names a specific manifest key, `tag` the one published by
+        `checkpoint(tag=...)` (default: the newest, via LATEST).
         """
-        from torchreplay.checkpoint.restore import restore
-
-        return restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
-                       checkpoint=checkpoint, lazy=lazy, progress=progress, manifest_key=manifest, **kwargs)
+        return _reader().restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
+                       checkpoint=checkpoint, lazy=lazy, progress=progress, manifest_key=manifest, tag=tag, **kwargs)
 
     def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
                           reprioritize=None, progress: bool = False, select=None,
@@ -147,10 +259,31 @@ class Persistence:
         may replace their advantages (e.g. rescored by the current critic). `select(i, n)` takes
         only some of the checkpoint's n shards (e.g. one rank's share); `keep_reuse` carries use
         counts over. Returns the new rollouts' handles."""
-        from torchreplay.checkpoint.restore import import_rollouts
-
-        return import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
+        return _reader().import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
                                reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse)
+
+
+class CheckpointReader(Protocol):
+    """Reads checkpoints back (torchreplay.checkpoint.restore registers itself at import), so
+    that `from_checkpoint` lives on the buffer while the buffer imports nothing of persistence."""
+
+    def restore(self, cls: type, uri: str, **kwargs: Any) -> Any: ...
+
+    def import_rollouts(self, buffer: Any, uri: str, **kwargs: Any) -> Any: ...
+
+
+_checkpoint_reader: CheckpointReader | None = None
+
+
+def use_checkpoint_reader(reader: CheckpointReader) -> None:
+    global _checkpoint_reader
+    _checkpoint_reader = reader
+
+
+def _reader() -> CheckpointReader:
+    if _checkpoint_reader is None:
+        raise RuntimeError("no checkpoint reader registered: import torchreplay (or torchreplay.checkpoint)")
+    return _checkpoint_reader
 
 
 def live_shards(slots: SlotTable) -> tuple[list[int], list[int]]:
@@ -161,7 +294,7 @@ def live_shards(slots: SlotTable) -> tuple[list[int], list[int]]:
 
 def metadata_state(buffer: "RolloutBuffer") -> dict[str, Any]:
     """All state except rollout payloads: what a checkpoint snapshots on the trainer thread."""
-    return {"format_version": STATE_VERSION, "config": buffer.config(), **buffer.ledger.state(),
+    return {"format_version": STATE_VERSION, "config": buffer.config().to_json(), **buffer.ledger.state(),
             "rng": buffer.generator.get_state()}
 
 
@@ -173,10 +306,25 @@ def full_state(buffer: "RolloutBuffer") -> dict[str, Any]:
     return {**metadata_state(buffer), "chunks": chunks}
 
 
-def chunk_sizes(state: Any) -> dict[int, int]:
-    """Rows per chunk of a `full_state`, validated enough to size them."""
+def chunk_sizes(state: Any, fields: Mapping[str, FieldSpec] | None = None) -> dict[int, int]:
+    """Rows per chunk of a `full_state`, every chunk checked against the schema before anything is
+    stored: chunks are adopted as they are, without add()'s validation, so a chunk missing a field
+    or holding float tokens would load and break every sample after. `fields` is the buffer's
+    schema; without it, the one the state's config describes (adopt refuses a config that is not
+    the buffer's before it stores a chunk), where extra fields' specs are not recorded, so those
+    are held to their row counts only. Raises ValueError naming the chunk, field and problem."""
     if not isinstance(state, Mapping) or not isinstance(state.get("chunks"), Mapping):
         raise TypeError("state must be a mapping from state_dict() (with 'chunks')")
+    unchecked: set[str] = set()
+    if fields is None:
+        config = state.get("config")
+        try:
+            fields = BufferConfig(capacity=1, ref_logprobs=config["ref_logprobs"], routing=config["routing"],
+                                  token_dtype=getattr(torch, config["token_dtype"])).fields()
+            unchecked = set(config.get("extra_fields") or ())
+        except (KeyError, TypeError, ValueError, AttributeError):
+            fields = None  # a malformed config is not this buffer's: adopt refuses it before storing a chunk
+    shard_fields = {k: v for k, v in (fields or {}).items() if k not in TABLE_FIELDS}
     sizes = {}
     for cid, c in state["chunks"].items():
         offsets = c.get("offsets") if isinstance(c, Mapping) else None
@@ -184,6 +332,23 @@ def chunk_sizes(state: Any) -> dict[int, int]:
             raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
         if not str(cid).isdigit():
             raise ValueError(f"state chunk id {cid!r} is not a non-negative integer")
+        if not isinstance(c.get("token"), Mapping) or not isinstance(c.get("rollout"), Mapping):
+            raise ValueError(f"state chunk {cid}: 'token' and 'rollout' must be mappings of field name -> tensor")
+        stored = {}
+        for kind, group in ((TOKEN, c["token"]), (ROLLOUT, c["rollout"])):
+            for name, t in group.items():
+                if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                    raise ValueError(f"state chunk {cid}: field {name!r} must be a tensor of rows, "
+                                     f"got {type(t).__name__}")
+                if name in stored:
+                    raise ValueError(f"state chunk {cid}: field {name!r} is both a token and a rollout field")
+                stored[name] = (kind, t.dtype, tuple(t.shape[1:]), t.shape[0])
+        try:
+            if fields is not None:
+                check_stored_fields(shard_fields, {k: v for k, v in stored.items() if k not in unchecked})
+            check_stored_offsets(offsets, stored)
+        except SchemaError as exc:
+            raise ValueError(f"state chunk {cid}: {exc}") from exc
         sizes[int(cid)] = offsets.numel() - 1
     return sizes
 
@@ -200,10 +365,14 @@ def adopt(buffer: "RolloutBuffer", state: Mapping[str, Any], chunk_rows: dict[in
     gives rows back. All-or-nothing: the chunks are stored before anything else changes, and
     released again if a later step fails. Returns the (shard, rows) the buffer held before, and
     the stored chunks' rows that no live slot names, for the caller to release."""
-    if state.get("format_version") != STATE_VERSION:
-        raise ValueError(f"state format_version {state.get('format_version')!r} != {STATE_VERSION}")
-    if state.get("config") != buffer.config():
-        raise ValueError(f"state config {state.get('config')} does not match this buffer {buffer.config()}")
+    if state.get("format_version") not in READABLE_STATE_VERSIONS:
+        raise ValueError(f"state format_version {state.get('format_version')!r} is not one of {READABLE_STATE_VERSIONS}")
+    try:
+        layout = BufferConfig.from_json(state.get("config"), extra_fields=buffer.settings.extra_fields).layout()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"state config is malformed: {exc}") from exc
+    if layout != buffer.settings.layout():
+        raise ValueError(f"state config (layout {layout}) does not match this buffer's {buffer.settings.layout()}")
     table = buffer.ledger.check_state(state)
     live_chunks = table.chunk[table.live]
     if not set(live_chunks.tolist()) <= set(chunk_rows):

@@ -9,26 +9,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from torchreplay import snapshot
+from torchreplay import samplers, snapshot
+from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
 from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
 from torchreplay.errors import CheckpointError, StorageError
-from torchreplay.samplers import builtin
+from torchreplay.slots import TABLE_FIELDS
 from torchreplay.storage import TieredStorage
 from torchreplay.storage import format as fmt
 
 if TYPE_CHECKING:
-    from torchreplay.buffer import Handles, RolloutBuffer
-
-BUILTIN_SAMPLERS = {
-    "UniformSampler": builtin.UniformSampler,
-    "PrioritizedSampler": builtin.PrioritizedSampler,
-    "FreshnessSampler": builtin.FreshnessSampler,
-    "PNewestSampler": builtin.PNewestSampler,
-    "GroupSampler": builtin.GroupSampler,
-}
-
+    from torchreplay.buffer import RolloutBuffer
 
 def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     state_info = manifest["state"]
@@ -49,40 +41,21 @@ def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def sampler_from_state(state: dict[str, Any]):
-    sampler_state = state.get("sampler")
-    if not isinstance(sampler_state, dict):
-        raise CheckpointError("checkpoint state has no sampler state")
-    cls = BUILTIN_SAMPLERS.get(sampler_state.get("type"))
-    if cls is None:
-        raise CheckpointError(f"sampler {sampler_state.get('type')!r} is not built in: pass sampler=... to restore")
-    config = sampler_state.get("config")
-    if not isinstance(config, dict) or not all(isinstance(v, (bool, int, float, str)) for v in config.values()):
-        raise CheckpointError(f"sampler config {config!r} is malformed")
+    """The checkpoint's sampler, rebuilt through the sampler registry."""
     try:
-        sampler = cls(**config)
-        # beta is state, not configuration (it may be annealed): it comes back as it was saved.
-        if "beta" in sampler_state:
-            sampler.beta = float(sampler_state["beta"])
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"sampler config {config!r} is malformed: {exc}") from exc
-    return sampler
+        return samplers.sampler_from_state(state.get("sampler"))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint sampler: {exc}") from exc
 
 
 def buffer_kwargs_from_config(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Constructor arguments recorded in a checkpoint's config. Extra fields' specs are not
-    recorded (only their names), so a buffer with extra fields needs `extra_fields=` passed in."""
-    allowed = {"capacity", "max_staleness", "max_reuse", "overflow", "padding_side", "pad_token_id", "ref_logprobs",
-               "routing"}
-    out = {k: config[k] for k in allowed if k in config}
-    if out.get("routing") is not None:
-        out["routing"] = tuple(out["routing"])
-    if "token_dtype" in config:
-        if config["token_dtype"] not in ("int32", "int64"):
-            raise CheckpointError(f"checkpoint token_dtype {config['token_dtype']!r} is not int32/int64")
-        out["token_dtype"] = getattr(torch, config["token_dtype"])
-    if config.get("extra_fields") and "extra_fields" not in (overrides or {}):
-        raise CheckpointError(f"the checkpoint declares extra fields {config['extra_fields']}: pass extra_fields=...")
-    return out
+    """Constructor arguments from a checkpoint's recorded BufferConfig (`overrides` may supply
+    extra fields' specs for checkpoints that recorded only their names)."""
+    try:
+        recorded = snapshot.BufferConfig.from_json(config, extra_fields=(overrides or {}).get("extra_fields"))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint buffer config: {exc}") from exc
+    return recorded.constructor_kwargs()
 
 
 def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, desc: str) -> dict[int, str]:
@@ -109,8 +82,10 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
     return paths
 
 
-def _fetch_metas(store: ObjectStore, manifest: dict[str, Any]) -> dict[int, fmt.PackedShard]:
-    """Header and small blocks of every shard the manifest names, by ranged reads (no token data)."""
+def _fetch_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: int = fmt.MAX_ROWS,
+                 fields: dict[str, Any] | None = None) -> dict[int, fmt.PackedShard]:
+    """Header and small blocks of every shard the manifest names, by ranged reads (no token data),
+    checked as `fmt.read_meta` checks them with `max_rows` and `fields`."""
 
     def one(entry: dict[str, Any]) -> tuple[int, fmt.PackedShard]:
         key = entry["key"]
@@ -121,7 +96,7 @@ def _fetch_metas(store: ObjectStore, manifest: dict[str, Any]) -> dict[int, fmt.
 
         try:
             # A small first read: the header room is a few KiB, and every byte counts over a network.
-            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024)
+            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024, max_rows=max_rows, fields=fields)
         except StorageError as exc:
             raise CheckpointError(f"checkpoint shard {key}: {exc}") from exc
 
@@ -131,9 +106,9 @@ def _fetch_metas(store: ObjectStore, manifest: dict[str, Any]) -> dict[int, fmt.
 
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
             checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
-            **kwargs: Any) -> "RolloutBuffer":
+            tag: Any = None, **kwargs: Any) -> "RolloutBuffer":
     store = open_store(uri, endpoint_url)
-    manifest = read_manifest(store, manifest_key)
+    manifest = read_manifest(store, manifest_key, tag=tag)
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
         raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")
@@ -145,12 +120,26 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     # Eager: every shard file is downloaded now and read whole into the hot tier. Lazy: only each
     # shard's header and small blocks are read now (ranged reads); its file is downloaded into the
     # cold tier the first time a sample needs its tokens.
+    # Each shard is checked against the buffer's schema before it is adopted: adopted rows skip
+    # add()'s validation, so a shard missing a field, or holding tokens as floats, would restore and
+    # break every sample after. No shard holds more rows than the buffer has slots.
+    shard_fields = {k: v for k, v in buffer.settings.fields().items() if k not in TABLE_FIELDS}
     if lazy:
-        metas = _fetch_metas(store, manifest)
+        metas = _fetch_metas(store, manifest, max_rows=buffer.capacity, fields=shard_fields)
         rows = {sid: meta.header.n for sid, meta in metas.items()}
     else:
         paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
-        rows = {sid: fmt.read_shard_meta(p).header.n for sid, p in paths.items()}
+        rows = {}
+        for sid, path in paths.items():
+            try:
+                rows[sid] = fmt.read_shard_meta(path, max_rows=buffer.capacity, fields=shard_fields).header.n
+            except StorageError as exc:
+                for p in paths.values():
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+                raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc
     table = state.get("table", {})
     if isinstance(table, dict) and isinstance(table.get("chunk"), torch.Tensor) and isinstance(table.get("live"), torch.Tensor):
         live_chunks = table["chunk"][table["live"]]
@@ -179,12 +168,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
         ckpt = checkpoint if isinstance(checkpoint, Checkpointer) else Checkpointer(uri, endpoint_url=endpoint_url)
         same_place = ckpt.store.uri == store.uri
         known = {new: by_id[old]["key"] for old, new in new_ids.items()} if same_place else {}
-        buffer.checkpointer = ckpt
-        ckpt.attach(buffer, known=known)
-        still_stored = set(snapshot.live_shards(buffer.slots)[0])  # a chunk with no live row was released
-        for sid in new_ids.values():
-            if sid not in known and sid in still_stored:
-                ckpt.shard_sealed(sid)
+        buffer.attach_checkpointer(ckpt, durable=known)
     return buffer
 
 
@@ -197,8 +181,6 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     `select(index, count)` picks which of the checkpoint's shards (by position in its manifest)
     to take, e.g. `lambda i, n: i % world == rank` to split a checkpoint over ranks. `keep_reuse`
     carries the rollouts' use counts over."""
-    from torchreplay.buffer import Handles
-    from torchreplay.slots import TABLE_FIELDS
 
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
@@ -209,12 +191,22 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     if select is not None:
         count = len(manifest["shards"])
         manifest = dict(manifest, shards=[s for i, s in enumerate(manifest["shards"]) if select(i, count)])
+    keys = {s["id"]: s["key"] for s in manifest["shards"]}
+    # Rows go through add(), which converts dtypes, so a convertible dtype is fine; the rest of the
+    # schema is checked from the header before the file is read whole. No shard of the source holds
+    # more rows than its slot table has slots.
+    shard_fields = {k: v for k, v in buffer.settings.fields().items() if k not in TABLE_FIELDS}
+    max_rows = int(table["chunk"].numel())
     paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
     handles = []
     try:
         for sid, path in sorted(paths.items()):
-            with open(path, "rb") as f:
-                shard = fmt.parse_shard(f.read())
+            try:
+                fmt.read_shard_meta(path, max_rows=max_rows, fields=shard_fields, convertible=True)
+                with open(path, "rb") as f:
+                    shard = fmt.parse_shard(f.read(), max_rows=max_rows)
+            except StorageError as exc:
+                raise CheckpointError(f"imported checkpoint shard {keys[sid]}: {exc}") from exc
             slots = ((table["chunk"] == sid) & table["live"]).nonzero().flatten()
             if buffer.max_staleness is not None and slots.numel():
                 # Rollouts already past this buffer's staleness cap would be evicted on arrival:

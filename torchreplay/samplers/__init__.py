@@ -13,6 +13,7 @@ from torchreplay.samplers.builtin import (
     PrioritizedSampler,
     UniformSampler,
 )
+from torchreplay.samplers.registry import register_sampler, registered_samplers, sampler_from_state, sampler_spec
 
 __all__ = [
     "Sampler",
@@ -23,4 +24,8 @@ __all__ = [
     "FreshnessSampler",
     "PNewestSampler",
     "GroupSampler",
+    "register_sampler",
+    "registered_samplers",
+    "sampler_from_state",
+    "sampler_spec",
 ]

@@ -125,18 +125,19 @@ class TreeSampler:
     def priority(self, slots: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def write_priorities(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Set these slots' leaves (subclasses that rewrite priorities, e.g. on a version move)."""
         device = self.tree.device
         self.tree.update(slots.to(device), values.to(device=device, dtype=self.tree_dtype))
 
     def on_insert(self, slots: torch.Tensor) -> None:
-        self._write(slots, self.priority(slots))
+        self.write_priorities(slots, self.priority(slots))
 
     def on_remove(self, slots: torch.Tensor) -> None:
-        self._write(slots, torch.zeros(slots.numel(), dtype=self.tree_dtype))
+        self.write_priorities(slots, torch.zeros(slots.numel(), dtype=self.tree_dtype))
 
     def on_priority(self, slots: torch.Tensor) -> None:
-        self._write(slots, self.priority(slots))
+        self.write_priorities(slots, self.priority(slots))
 
     def changed_by_version(self, old: int | None, new: int) -> torch.Tensor:
         """The live slots whose priority changes when the version moves from `old` to `new`."""
@@ -149,7 +150,7 @@ class TreeSampler:
         # version is taken, so a priority that fails leaves the sampler as it was.
         changed = self.changed_by_version(self._version, version)
         if changed.numel():
-            self._write(changed, self.priority(changed))
+            self.write_priorities(changed, self.priority(changed))
         self._version = version
 
     # -- sampling ------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ class TreeSampler:
         def set_aside(slots: torch.Tensor) -> None:
             if slots.numel():
                 aside.append((slots, self.tree[slots.to(self.tree.device)].clone()))
-                self._write(slots, torch.zeros(slots.numel(), dtype=self.tree_dtype))
+                self.write_priorities(slots, torch.zeros(slots.numel(), dtype=self.tree_dtype))
 
         kept_slots, kept_prio = [], []
         try:
@@ -218,7 +219,7 @@ class TreeSampler:
                 set_aside(spent[used[spent] >= remaining[spent]])
         finally:
             for slots, values in reversed(aside):
-                self._write(slots, values)
+                self.write_priorities(slots, values)
         if not kept_slots:
             return (*empty, drawable_min)
         return torch.cat(kept_slots), torch.cat(kept_prio), drawable_min

@@ -108,7 +108,7 @@ class FreshnessSampler(PrioritizedSampler):
             old, self.t_ref = self.t_ref, t_ref
             live = self.slots.live.nonzero().flatten()
             try:
-                self._write(live, self.priority(live))
+                self.write_priorities(live, self.priority(live))
             except BaseException:
                 self.t_ref = old
                 raise
@@ -260,12 +260,15 @@ class GroupSampler:
                     budget[members[i]] -= 1
         return torch.tensor(out, dtype=torch.int64), torch.ones(len(out), dtype=torch.float32)
 
+    def config(self) -> dict[str, Any]:
+        return {"per_group": self.per_group}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"type": "GroupSampler", "config": {"per_group": self.per_group},
+        return {"type": "GroupSampler", "config": self.config(),
                 "group_order": torch.tensor(self._groups, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("type") != "GroupSampler" or state.get("config") != {"per_group": self.per_group}:
+        if state.get("type") != "GroupSampler" or state.get("config") != self.config():
             raise ValueError(f"sampler state does not match GroupSampler(per_group={self.per_group})")
         self._members, self._groups, self._position = {}, [], {}
         live = self.slots.live.nonzero().flatten()

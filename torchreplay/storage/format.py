@@ -16,8 +16,10 @@ fetching one rollout's tokens reads and verifies only the pages that hold them, 
 4 KiB aligned: the same file serves O_DIRECT, GPUDirect Storage (kvikio) and plain reads.
 
 Readers validate the header before trusting any length: magic, version, header CRC, field names
-and dtypes from a closed list, block extents inside the file, and offsets that are monotone and
-end at the token block's row count.
+and dtypes from a closed list, n within a row limit (the buffer's capacity where known), block
+extents inside the file, block sizes that are whole rows (n of them for rollout blocks), and offsets
+that are monotone and end at the token block's row count. Given the buffer's field specs, a reader
+also checks the fields against them (`check_schema`) before the shard is adopted.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import struct
 import zlib
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from torchreplay import boundedjson
-from torchreplay.errors import StorageError
+from torchreplay.errors import SchemaError, StorageError
+from torchreplay.schema import FieldSpec, StoredField, check_stored_fields, check_stored_offsets
 
 MAGIC = b"TRSHARD1"
 FORMAT_VERSION = 1
@@ -42,6 +45,11 @@ ALIGN = 4096
 PAGE_SIZE = 64 * 1024
 PREAMBLE = struct.Struct("<8sQI")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+# A shard is one add() (or a compaction of live rows), so its rows never exceed a buffer's capacity;
+# readers that know the capacity pass it. Without one, no real batch comes near this, and the
+# offsets block it allows (128 MiB) is the most a lying header can make a reader allocate.
+MAX_ROWS = 1 << 24
+MAX_PAGE_SIZE = 1 << 30  # the C++ reader's bound (csrc/shard_reader.h)
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -193,8 +201,13 @@ def plan_shard(
     return header, layout.writes(), head
 
 
-def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
-    """Validate and decode the preamble + header. `head` must hold at least the whole header."""
+def parse_header(head: bytes, file_bytes: int, max_rows: int = MAX_ROWS) -> ShardHeader:
+    """Validate and decode the preamble + header. `head` must hold at least the whole header.
+
+    Every length a reader will act on is checked here, before anything proportional to it is read
+    or allocated: n against `max_rows`, each block inside the file, and each block's size against
+    its dtype, per-row shape and (rollout blocks) n. Token blocks' row counts are checked against
+    the offsets once those are read (`validate_offsets`)."""
     if len(head) < PREAMBLE.size:
         raise StorageError("shard file is truncated: no header")
     magic, length, crc = PREAMBLE.unpack_from(head)
@@ -209,8 +222,11 @@ def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise StorageError(f"unsupported shard format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}")
     n, page_size = meta.get("n"), meta.get("page_size")
-    if not isinstance(n, int) or n < 0 or not isinstance(page_size, int) or page_size <= 0 or page_size % ALIGN:
+    if not isinstance(n, int) or n < 0 or not isinstance(page_size, int) or page_size <= 0 or page_size % ALIGN \
+            or page_size > MAX_PAGE_SIZE:
         raise StorageError(f"shard header has invalid n={n!r} or page_size={page_size!r}")
+    if n > max_rows:
+        raise StorageError(f"shard header claims {n} rows, more than the {max_rows} allowed")
     if meta.get("file_bytes") != file_bytes:
         raise StorageError(f"shard file is {file_bytes} bytes, header says {meta.get('file_bytes')!r}")
     blocks: dict[str, BlockInfo] = {}
@@ -221,8 +237,15 @@ def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
             offset, nbytes, crcs = int(f["offset"]), int(f["nbytes"]), tuple(int(c) for c in f["page_crcs"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"shard header field entry is malformed: {f!r}") from exc
-        if kind not in KINDS or any(d < 0 for d in shape) or offset % ALIGN or offset < ALIGN:
+        # A zero in the shape makes rows of no bytes: any row count fits them, none can be decoded.
+        if kind not in KINDS or any(d < 1 for d in shape) or offset % ALIGN or offset < ALIGN:
             raise StorageError(f"shard field {name!r}: invalid kind/shape/offset")
+        if nbytes < 0:
+            raise StorageError(f"shard field {name!r}: negative nbytes {nbytes}")
+        if name in blocks:
+            raise StorageError(f"shard field {name!r} appears twice in the header")
+        if (kind == "offsets") != (name == "offsets") or (name == "offsets" and (dtype, shape) != (torch.int64, ())):
+            raise StorageError(f"shard field {name!r}: only the block named 'offsets' is one, of int64 scalars")
         if offset + nbytes > file_bytes:
             raise StorageError(f"shard field {name!r}: block [{offset}, {offset + nbytes}) runs past the file end")
         if len(crcs) != max(1, -(-nbytes // page_size)):
@@ -232,12 +255,30 @@ def parse_header(head: bytes, file_bytes: int) -> ShardHeader:
         raise StorageError("shard has no valid offsets block")
     header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=file_bytes)
     for b in blocks.values():
-        rows = b.nbytes // b.row_bytes if b.row_bytes else 0
-        if b.row_bytes and b.nbytes % b.row_bytes:
+        if b.nbytes % b.row_bytes:
             raise StorageError(f"shard field {b.name!r}: {b.nbytes} bytes is not a whole number of rows")
-        if b.kind == "rollout" and rows != n:
-            raise StorageError(f"shard field {b.name!r}: {rows} rows for {n} rollouts")
+        if b.kind == "rollout" and b.nbytes != n * b.row_bytes:
+            raise StorageError(f"shard field {b.name!r}: {b.nbytes // b.row_bytes} rows for {n} rollouts")
     return header
+
+
+def stored_fields(header: ShardHeader) -> dict[str, StoredField]:
+    """Each field block's (kind, dtype, per-row shape, rows), as `schema.check_stored_*` take them."""
+    return {b.name: (b.kind, b.dtype, b.shape, b.nbytes // b.row_bytes)
+            for b in header.blocks.values() if b.kind != "offsets"}
+
+
+def check_schema(header: ShardHeader, offsets: torch.Tensor | None, fields: Mapping[str, FieldSpec],
+                 convertible: bool = False) -> None:
+    """A shard's fields (and, once read, its offsets) against the specs of what a shard of the
+    buffer holds, as a StorageError (see `schema.check_stored_fields`)."""
+    stored = stored_fields(header)
+    try:
+        check_stored_fields(fields, stored, convertible)
+        if offsets is not None:
+            check_stored_offsets(offsets, stored)
+    except SchemaError as exc:
+        raise StorageError(f"shard does not match the buffer's schema: {exc}") from exc
 
 
 def decode(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -283,9 +324,9 @@ def read_block(data: bytes | memoryview, block: BlockInfo, page_size: int, base:
     return decode(view, block.dtype, block.shape)
 
 
-def parse_shard(data: bytes) -> PackedShard:
+def parse_shard(data: bytes, max_rows: int = MAX_ROWS) -> PackedShard:
     """A whole shard file in memory -> validated header and every block decoded."""
-    header = parse_header(data[: header_span(data)], len(data))
+    header = parse_header(data[: header_span(data)], len(data), max_rows)
     offsets = read_block(data, header.blocks["offsets"], header.page_size).reshape(-1)
     validate_offsets(offsets, header)
     token, rollout = {}, {}
@@ -297,8 +338,10 @@ def parse_shard(data: bytes) -> PackedShard:
     return PackedShard(header, offsets, token, rollout)
 
 
-def read_shard_meta(path: str) -> PackedShard:
-    """Header, offsets and per-rollout fields of a shard file; token blocks are left on disk."""
+def read_shard_meta(path: str, max_rows: int = MAX_ROWS, fields: Mapping[str, FieldSpec] | None = None,
+                    convertible: bool = False) -> PackedShard:
+    """Header, offsets and per-rollout fields of a shard file; token blocks are left on disk.
+    `max_rows` and `fields` as for `read_meta`."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -306,21 +349,29 @@ def read_shard_meta(path: str) -> PackedShard:
                 f.seek(offset)
                 return f.read(length)
 
-            return read_meta(read, size)
+            return read_meta(read, size, max_rows=max_rows, fields=fields, convertible=convertible)
     except OSError as exc:
         raise StorageError(f"cannot read shard {path}: {exc}") from exc
 
 
-def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: int = 1 << 20) -> PackedShard:
+def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: int = 1 << 20,
+              max_rows: int = MAX_ROWS, fields: Mapping[str, FieldSpec] | None = None,
+              convertible: bool = False) -> PackedShard:
     """`read_shard_meta` over any random-access source (`read(offset, length)`: a file, or ranged
     GETs of an object that has not been downloaded). Reads only the header and the small blocks,
     coalescing blocks that lie close together into one read (the per-rollout blocks sit together
-    at the end of the file), so a remote source answers in a handful of requests."""
+    at the end of the file), so a remote source answers in a handful of requests.
+
+    `max_rows` bounds n (a buffer's capacity, where the caller knows it). With `fields` (the specs
+    of what a shard of the buffer holds) the header's fields are checked against them before any
+    block is read, and the offsets once read (`check_schema`)."""
     head = read(0, min(file_bytes, first_read))
     span = header_span(head)
     if span > len(head):
         head = read(0, span)
-    header = parse_header(head, file_bytes)
+    header = parse_header(head, file_bytes, max_rows)
+    if fields is not None:
+        check_schema(header, None, fields, convertible)
     small = sorted((b for b in header.blocks.values() if b.kind != "token"), key=lambda b: b.offset)
     runs: list[list] = []  # [begin, end, blocks]
     for b in small:
@@ -346,6 +397,8 @@ def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: in
         parts[b.name] = read_block(datas[b.name], b, header.page_size, base=b.offset)
     offsets = parts.pop("offsets").reshape(-1)
     validate_offsets(offsets, header)
+    if fields is not None:
+        check_schema(header, offsets, fields, convertible)
     return PackedShard(header, offsets, {}, parts)
 
 
