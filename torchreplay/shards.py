@@ -55,10 +55,21 @@ class ShardKeeper:
         self.checkpointer: ShardListener | None = None
 
     def put(self, batch: PackedBatch) -> int:
-        sid = self.storage.put(batch)
+        return self._sealed(self.storage.put(batch))
+
+    def adopt(self, path: str) -> int:
+        """A shard file written elsewhere (a downloaded checkpoint shard) becomes a shard here."""
+        return self._sealed(self.storage.adopt(path))
+
+    def adopt_remote(self, meta: Any, fetch: Callable[[str], None]) -> int:
+        """A shard whose header and small blocks are read (`meta`); `fetch(path)` downloads its
+        file the first time its tokens are needed."""
+        return self._sealed(self.storage.adopt_remote(meta, fetch))
+
+    def _sealed(self, shard_id: int) -> int:
         if self.checkpointer is not None:
-            self.checkpointer.shard_sealed(sid)
-        return sid
+            self.checkpointer.shard_sealed(shard_id)
+        return shard_id
 
     def release(self, shard_id: int, rows: int) -> None:
         if self.storage.release(shard_id, rows) and self.checkpointer is not None:

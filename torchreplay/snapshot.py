@@ -22,7 +22,8 @@ from torchreplay.schema import (
     check_stored_offsets,
     default_fields,
 )
-from torchreplay.shards import ShardListener
+from torchreplay.samplers import sampler_from_state
+from torchreplay.shards import ShardKeeper, ShardListener
 from torchreplay.slots import TABLE_FIELDS, SlotTable
 from torchreplay.storage.format import DTYPE_NAMES, DTYPES
 
@@ -161,6 +162,87 @@ def _field_from_json(name: str, spec: Any) -> FieldSpec:
                      spec.get("accept", "float"))
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """A stored shard that a snapshot needs: its id in the buffer, and how many of its rows are
+    live (the rest died after it was written)."""
+
+    id: int
+    live_rows: int
+
+
+class ShardSource(Protocol):
+    """Where a snapshot's shard comes from when a buffer is rebuilt: `rows` is how many rows it
+    stores, `store(keeper)` brings it into a buffer's storage and returns its new shard id."""
+
+    rows: int
+
+    def store(self, keeper: ShardKeeper) -> int: ...
+
+
+@dataclass
+class PackedShardSource:
+    """A shard in memory (a `state_dict` chunk)."""
+
+    batch: PackedBatch
+
+    @property
+    def rows(self) -> int:
+        return self.batch.n
+
+    def store(self, keeper: ShardKeeper) -> int:
+        return keeper.put(self.batch)
+
+
+@dataclass
+class FileShardSource:
+    """A shard file on local disk (a downloaded checkpoint shard), checked already."""
+
+    path: str
+    rows: int
+
+    def store(self, keeper: ShardKeeper) -> int:
+        return keeper.adopt(self.path)
+
+
+@dataclass
+class RemoteShardSource:
+    """A shard whose header and small blocks are read (`meta`); `fetch(path)` downloads its file
+    on first use (a lazy restore)."""
+
+    meta: Any
+    fetch: Callable[[str], None]
+    rows: int
+
+    def store(self, keeper: ShardKeeper) -> int:
+        return keeper.adopt_remote(self.meta, self.fetch)
+
+
+@dataclass(frozen=True)
+class BufferSnapshot:
+    """A buffer's state without its rollout payloads: the configuration, the slot table,
+    counters, generator and sampler state (`state`: tensors and plain values, what a checkpoint's
+    state object holds), and the shards it needs. `RolloutBuffer.snapshot()` takes one,
+    `RolloutBuffer.from_snapshot(snapshot, shards)` builds a buffer back from it."""
+
+    config: BufferConfig
+    state: Mapping[str, Any]
+    shards: tuple[ShardInfo, ...]
+
+    @classmethod
+    def from_state(cls, state: Any, extra_fields: Mapping[str, FieldSpec] | None = None) -> "BufferSnapshot":
+        """The snapshot a `state_dict()` or checkpoint state describes (ValueError/TypeError if
+        its config or slot table cannot be read; `adopt` validates the rest)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        config = BufferConfig.from_json(state.get("config"), extra_fields=extra_fields)
+        table = state.get("table")
+        if not isinstance(table, Mapping) or not all(isinstance(table.get(k), torch.Tensor) for k in ("chunk", "live")):
+            raise ValueError("state 'table' must hold 'chunk' and 'live' tensors")
+        ids, rows = torch.unique(table["chunk"][table["live"].to(torch.bool)], return_counts=True)
+        return cls(config, state, tuple(ShardInfo(i, r) for i, r in zip(ids.tolist(), rows.tolist())))
+
+
 class Persistence:
     """The persistence half of RolloutBuffer: its configuration, `state_dict` / `load_state_dict`,
     checkpoints and restores, and importing another run's rollouts. Kept apart from the replay
@@ -196,6 +278,43 @@ class Persistence:
         `to_json()`; `from_snapshot`/`from_checkpoint` rebuild a buffer from it)."""
         return self.settings.with_caps(self.max_staleness, self.max_reuse)
 
+    def snapshot(self) -> BufferSnapshot:
+        """This buffer's state without payloads (what a checkpoint publishes with its shards)."""
+        ids, rows = live_shards(self.slots)
+        return BufferSnapshot(self.config(), metadata_state(self),
+                              tuple(ShardInfo(i, r) for i, r in zip(ids, rows)))
+
+    @classmethod
+    def from_snapshot(cls, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource],
+                      sampler: Sampler | None = None, storage: TieredStorage | None = None,
+                      **overrides: Any) -> "RolloutBuffer":
+        """A buffer rebuilt from `snapshot` and its shards (id -> ShardSource): the one way back,
+        used by `from_checkpoint` (eager and lazy). The buffer is configured by `snapshot.config`;
+        `overrides` replace constructor arguments (e.g. `seed`, `on_corrupt`, a larger
+        `capacity`). The sampler is rebuilt from the registry unless one is passed."""
+        if sampler is None:
+            sampler = sampler_from_state(snapshot.state.get("sampler"))
+        buffer = cls(sampler=sampler, storage=storage, **{**snapshot.config.constructor_kwargs(), **overrides})
+        try:
+            buffer.restore_snapshot(snapshot, shards)
+        except BaseException:
+            buffer.close()
+            raise
+        return buffer
+
+    def restore_snapshot(self, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource]) -> None:
+        """Replace this buffer's state by `snapshot` in place (`load_state_dict`, `from_snapshot`).
+        Everything is validated against this buffer and the shards' row counts before anything
+        changes; the shards are stored first and released again if adoption fails."""
+        missing = [info.id for info in snapshot.shards if info.id not in shards]
+        if missing:
+            raise ValueError(f"snapshot shards {missing[:5]} have no source")
+        self.shards.tick()  # a pending spill error surfaces now, not halfway through storing the chunks
+        rows = {sid: source.rows for sid, source in shards.items()}
+        self.shards.release_all(adopt(self, snapshot.state, rows, lambda sid: shards[sid].store(self.shards),
+                                      self.shards.release))
+        self.shards.release_all(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
         return full_state(self)
@@ -203,14 +322,8 @@ class Persistence:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`. Validates everything before changing anything."""
         sizes = chunk_sizes(state, self.settings.fields())
-        self.load_state(state, sizes, lambda cid: self.shards.put(chunk_batch(state, cid, sizes[cid])))
-
-    def load_state(self, state: Mapping[str, Any], chunk_rows: dict[int, int], store_chunk) -> None:
-        """`load_state_dict` for a state whose chunks live elsewhere (a checkpoint): `chunk_rows`
-        gives each chunk's row count, `store_chunk(old id) -> new shard id` brings one in."""
-        self.shards.tick()  # a pending spill error surfaces now, not halfway through storing the chunks
-        self.shards.release_all(adopt(self, state, chunk_rows, store_chunk, self.shards.release))
-        self.shards.release_all(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
+        snapshot = BufferSnapshot.from_state(state, self.settings.extra_fields)
+        self.restore_snapshot(snapshot, {cid: PackedShardSource(chunk_batch(state, cid, n)) for cid, n in sizes.items()})
 
     def checkpoint(self, tag: int | str | None = None, timeout: float | None = None) -> None:
         """Publish a manifest now and return once it is durable; raises CheckpointError if this

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,20 @@ def _fetch_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: int = f
         return dict(pool.map(one, manifest["shards"]))
 
 
+class _Recorded:
+    """A ShardSource that remembers the shard id it was stored under, so a resumed checkpointer
+    knows which of the buffer's shards are already durable (and under which key)."""
+
+    def __init__(self, source: snapshot.ShardSource, key: str, stored: dict[int, str]) -> None:
+        self.source, self.key, self.stored = source, key, stored
+        self.rows = source.rows
+
+    def store(self, keeper) -> int:
+        shard_id = self.source.store(keeper)
+        self.stored[shard_id] = self.key
+        return shard_id
+
+
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
             checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
             tag: Any = None, **kwargs: Any) -> "RolloutBuffer":
@@ -112,63 +127,60 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
         raise ValueError("lazy=True needs storage=TieredStorage(spill_dir=...): shards land in the cold tier")
-    buffer_kwargs = {**buffer_kwargs_from_config(state["config"], kwargs), **kwargs}
-    buffer = cls(sampler=sampler if sampler is not None else sampler_from_state(state), storage=storage,
-                 **buffer_kwargs)
+    try:
+        recorded = snapshot.BufferSnapshot.from_state(state, extra_fields=kwargs.get("extra_fields"))
+        config_overrides = {k: v for k, v in kwargs.items() if k in recorded.config.constructor_kwargs()}
+        config = dataclasses.replace(recorded.config, **config_overrides)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {uri}: {exc}") from exc
+    if sampler is None:
+        sampler = sampler_from_state(state)
     by_id = {s["id"]: s for s in manifest["shards"]}
+    if {info.id: info.live_rows for info in recorded.shards} != {sid: s["live_rows"] for sid, s in by_id.items()}:
+        raise CheckpointError(f"checkpoint {uri}: the manifest's shards disagree with the slot table's live rows")
     # Row counts come from the shard headers themselves, so the state is checked against the data.
     # Eager: every shard file is downloaded now and read whole into the hot tier. Lazy: only each
     # shard's header and small blocks are read now (ranged reads); its file is downloaded into the
     # cold tier the first time a sample needs its tokens.
-    # Each shard is checked against the buffer's schema before it is adopted: adopted rows skip
-    # add()'s validation, so a shard missing a field, or holding tokens as floats, would restore and
-    # break every sample after. No shard holds more rows than the buffer has slots.
-    shard_fields = {k: v for k, v in buffer.settings.fields().items() if k not in TABLE_FIELDS}
+    # Each shard is checked against the schema before it is adopted: adopted rows skip add()'s
+    # validation, so a shard missing a field, or holding tokens as floats, would restore and break
+    # every sample after. No shard holds more rows than the buffer has slots.
+    shard_fields = {k: v for k, v in config.fields().items() if k not in TABLE_FIELDS}
+    durable: dict[int, str] = {}
+    sources: dict[int, snapshot.ShardSource] = {}
     if lazy:
-        metas = _fetch_metas(store, manifest, max_rows=buffer.capacity, fields=shard_fields)
-        rows = {sid: meta.header.n for sid, meta in metas.items()}
-    else:
-        paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
-        rows = {}
-        for sid, path in paths.items():
-            try:
-                rows[sid] = fmt.read_shard_meta(path, max_rows=buffer.capacity, fields=shard_fields).header.n
-            except StorageError as exc:
-                for p in paths.values():
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
-                raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc
-    table = state.get("table", {})
-    if isinstance(table, dict) and isinstance(table.get("chunk"), torch.Tensor) and isinstance(table.get("live"), torch.Tensor):
-        live_chunks = table["chunk"][table["live"]]
-        for sid, entry in by_id.items():
-            if int((live_chunks == sid).sum()) != entry["live_rows"]:
-                raise CheckpointError(f"manifest shard {sid}: live_rows disagrees with the slot table")
-    new_ids: dict[int, int] = {}
-
-    def store_chunk(cid: int) -> int:
-        if lazy:
-            key = by_id[cid]["key"]
+        metas = _fetch_metas(store, manifest, max_rows=config.capacity, fields=shard_fields)
+        for sid, meta in metas.items():
+            key = by_id[sid]["key"]
 
             def fetch(path: str, key: str = key) -> None:
                 with_retries(lambda: store.get_to_file(key, path), 60.0, f"download {key}")
 
-            new_ids[cid] = buffer.storage.adopt_remote(metas[cid], fetch)
-        else:
-            new_ids[cid] = buffer.storage.adopt(paths[cid])
-        return new_ids[cid]
-
+            sources[sid] = _Recorded(snapshot.RemoteShardSource(meta, fetch, meta.header.n), key, durable)
+    else:
+        paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
+        try:
+            for sid, path in paths.items():
+                try:
+                    rows = fmt.read_shard_meta(path, max_rows=config.capacity, fields=shard_fields).header.n
+                except StorageError as exc:
+                    raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc
+                sources[sid] = _Recorded(snapshot.FileShardSource(path, rows), by_id[sid]["key"], durable)
+        except BaseException:
+            for p in paths.values():
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            raise
     try:
-        buffer.load_state(state, rows, store_chunk)
+        buffer = cls.from_snapshot(dataclasses.replace(recorded, config=config), sources, sampler=sampler,
+                                   storage=storage, **kwargs)
     except (ValueError, TypeError, KeyError, StorageError) as exc:
         raise CheckpointError(f"checkpoint {uri} failed validation: {exc}") from exc
     if checkpoint:
         ckpt = checkpoint if isinstance(checkpoint, Checkpointer) else Checkpointer(uri, endpoint_url=endpoint_url)
-        same_place = ckpt.store.uri == store.uri
-        known = {new: by_id[old]["key"] for old, new in new_ids.items()} if same_place else {}
-        buffer.attach_checkpointer(ckpt, durable=known)
+        buffer.attach_checkpointer(ckpt, durable=durable if ckpt.store.uri == store.uri else {})
     return buffer
 
 
