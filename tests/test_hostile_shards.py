@@ -39,6 +39,17 @@ def rewrite_shard(path, edit):
     for offset, block in writes:
         data[offset : offset + len(block)] = block
     path.write_bytes(bytes(data))
+    forge_manifest_sizes(path.parent.parent)
+
+
+def forge_manifest_sizes(root):
+    """Record every shard's current size in the newest manifest, as a forger who controls the
+    whole checkpoint would: the checks after the size check must hold on their own."""
+    key = json.loads((root / "LATEST").read_text())["manifest"]
+    manifest = json.loads((root / key).read_text())
+    for entry in manifest["shards"]:
+        entry["bytes"] = os.path.getsize(root / entry["key"])
+    (root / key).write_text(json.dumps(manifest))
 
 
 def write_header(path, meta, file_bytes):
@@ -101,6 +112,7 @@ def test_a_header_claiming_250m_rows_is_refused_before_allocation(tmp_path, mode
     root, manifest = checkpoint_dir(tmp_path)
     path = shard_path(root, manifest)
     huge_offsets_shard(path)
+    forge_manifest_sizes(root)
     done = subprocess.run([sys.executable, "-c", CHILD, mode, f"file://{root}", str(tmp_path / "spill")],
                           check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -227,13 +239,19 @@ def assert_names(message, *parts, problem):
     assert re.search(problem, message), (problem, message)
 
 
-@pytest.mark.parametrize("mode", ["eager", "lazy", "import"])
+@pytest.mark.parametrize("mode", ["eager", "lazy", "import", "inspect"])
 @pytest.mark.parametrize("edit, field, problem", SCHEMA_CASES, ids=SCHEMA_IDS)
-def test_shard_fields_are_checked_against_the_schema(tmp_path, mode, edit, field, problem):
+def test_shard_fields_are_checked_against_the_schema(tmp_path, mode, edit, field, problem, capsys):
     root, manifest = checkpoint_dir(tmp_path)
     key = manifest["shards"][0]["key"]
     rewrite_shard(root / key, edit)
     uri = f"file://{root}"
+    if mode == "inspect":
+        from torchreplay.cli import main as cli_main
+
+        assert cli_main(["inspect", uri]) == 1
+        assert_names(capsys.readouterr().err, key, repr(field), problem=problem)
+        return
     with pytest.raises(tr.CheckpointError) as caught:
         if mode == "import":
             target = tr.RolloutBuffer(16)
@@ -243,6 +261,26 @@ def test_shard_fields_are_checked_against_the_schema(tmp_path, mode, edit, field
     assert_names(str(caught.value), key, repr(field), problem=problem)
     if mode == "import":
         assert len(target) == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "inspect"])
+def test_a_shard_whose_size_differs_from_the_manifest_is_refused_unread(tmp_path, mode, capsys):
+    """Manifests record each shard's size: a grown or swapped shard is refused on its stat/HEAD,
+    before a byte of it is read (here grown sparsely to 2 GiB)."""
+    root, manifest = checkpoint_dir(tmp_path)
+    key = manifest["shards"][0]["key"]
+    os.truncate(root / key, 2 << 30)
+    uri = f"file://{root}"
+    if mode == "inspect":
+        from torchreplay.cli import main as cli_main
+
+        assert cli_main(["inspect", uri]) == 1
+        message = capsys.readouterr().err
+    else:
+        with pytest.raises(tr.CheckpointError) as caught:
+            restore(uri, mode, tmp_path)
+        message = str(caught.value)
+    assert key in message and "the manifest records" in message
 
 
 def test_import_accepts_a_dtype_add_converts(tmp_path):

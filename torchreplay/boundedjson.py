@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# LATEST is one short pointer; a manifest lists shards (~200 B each); state JSON is a tensor table.
+# LATEST and a tag are one short pointer; a manifest lists shards (~100 B each: 32 MiB is some 300k
+# shards); the state JSON is a small tree (its tensors are in the safetensors blob). Parsing a
+# hostile document of the maximum size costs ~4x its size in Python objects: under 200 MiB.
 MAX_POINTER_BYTES = 4 << 10
-MAX_DOCUMENT_BYTES = 256 << 20
+MAX_DOCUMENT_BYTES = 32 << 20
 
 
 def check_size(size: int, limit: int, what: str, error: type[Exception]) -> None:

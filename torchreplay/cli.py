@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser("inspect", help="summarize a checkpoint: manifests, rollouts, bytes, ages, priorities")
     inspect.add_argument("uri", help="s3://bucket/prefix or file:///path")
     inspect.add_argument("--endpoint-url", default=None)
+    inspect.add_argument("--tag", default=None, help="the checkpoint published with checkpoint(tag=...) (default: LATEST)")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "demo":
         from torchreplay.demo.__main__ import main as demo_main
@@ -21,31 +22,40 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        return inspect_checkpoint(args.uri, args.endpoint_url)
+        return inspect_checkpoint(args.uri, args.endpoint_url, args.tag)
     return 2
 
 
-def inspect_checkpoint(uri: str, endpoint_url: str | None = None) -> int:
+def inspect_checkpoint(uri: str, endpoint_url: str | None = None, tag: str | None = None) -> int:
     import torch
 
     from torchreplay.checkpoint import open_store, read_manifest
-    from torchreplay.checkpoint.restore import load_state
+    from torchreplay.checkpoint.restore import fetch_shard_metas, load_state
     from torchreplay.errors import CheckpointError
+    from torchreplay.slots import TABLE_FIELDS
+    from torchreplay.snapshot import BufferConfig
 
     try:
         store = open_store(uri, endpoint_url)
         manifests = store.list("manifests")
-        manifest = read_manifest(store)
+        tags = store.list("tags")
+        manifest = read_manifest(store, tag=tag)
         state = load_state(store, manifest)
+        config = BufferConfig.from_json(state["config"])
         shard_keys = store.list("shards")
-        # Every shard the manifest names must be there as a regular object (stat / HEAD only).
-        shard_bytes = sum(store.size(entry["key"]) for entry in manifest["shards"])
-    except (CheckpointError, ValueError) as exc:
+        # Every shard the manifest names: a regular object whose header and small blocks (ranged
+        # reads, no token data) fit the buffer's schema.
+        fields = {k: v for k, v in config.fields().items() if k not in TABLE_FIELDS}
+        metas = fetch_shard_metas(store, manifest, config.capacity, fields)
+        shard_bytes = sum(meta.header.file_bytes for meta in metas.values())
+    except (CheckpointError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"checkpoint: {uri}")
     print(f"manifests ({len(manifests)}): " + ", ".join(manifests))
-    print(f"latest: manifests/{manifest['sequence']:012d}.json  policy_version: {manifest['policy_version']}")
+    print(f"tags ({len(tags)}): " + ", ".join(t.removeprefix("tags/").removesuffix(".json") for t in tags))
+    which = f"tag {tag}" if tag is not None else "latest"
+    print(f"{which}: manifests/{manifest['sequence']:012d}.json  policy_version: {manifest['policy_version']}")
     print(f"rollouts: {manifest['rollouts']}  shards named: {len(manifest['shards'])}  shard objects: {len(shard_keys)}")
     print(f"state bytes: {manifest['state']['json_bytes'] + manifest['state']['blob_bytes']:,}  "
           f"shard bytes: {shard_bytes:,}")
@@ -59,6 +69,7 @@ def inspect_checkpoint(uri: str, endpoint_url: str | None = None) -> int:
             q = torch.quantile(values, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
             print(f"{name:>22}: min {q[0]:.3g}  p50 {q[1]:.3g}  p90 {q[2]:.3g}  max {q[3]:.3g}")
     print(f"sampler: {state['sampler'].get('type')} {state['sampler'].get('config')}")
+    print(f"config fingerprint: {config.fingerprint()}")
     return 0
 
 

@@ -155,6 +155,7 @@ class Checkpointer:
         self._keys: dict[int, str] = {}  # live shard id -> object key (trainer writes, worker reads)
         self._keys_lock = threading.Lock()
         self._durable: set[str] = set()
+        self._shard_bytes: dict[str, int] = {}  # worker only: sizes of the shards it uploaded, for manifests
         self._pending: dict[str, _Upload] = {}  # worker only: uploads that failed, retried by the next publish
         self._manifest_refs: dict[str, tuple[set[str], set[str]]] = {}  # worker only: manifests are immutable
         self._tag_pointers: dict[str, dict[str, Any]] = {}  # worker only: tags/<tag>.json -> its pointer
@@ -360,6 +361,7 @@ class Checkpointer:
         if files:
             self._remote.put_files([(job.key, job.source) for job in files])
             self._durable.update(job.key for job in files)
+            self._shard_bytes.update((job.key, os.path.getsize(job.source)) for job in files)
         for job in jobs:
             self._pending.pop(job.key, None)
         self._unpin([job.shard for job in jobs])
@@ -383,6 +385,7 @@ class Checkpointer:
             data[offset : offset + len(piece)] = piece
         self._remote.put(job.key, data)
         self._durable.add(job.key)
+        self._shard_bytes[job.key] = len(data)
 
     def _run_publish(self, job: _Publish) -> None:
         try:
@@ -429,8 +432,11 @@ class Checkpointer:
             "created_unix_s": time.time(),
             "session": self.session,
             "state": {"json": state_key, "blob": blob_key, "json_bytes": len(text), "blob_bytes": len(blob)},
-            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid]} for sid, key in
-                       sorted(job.shard_keys.items())],
+            # "bytes" lets a reader refuse a grown or swapped object before reading it; shards
+            # carried over from an earlier run (uploaded by it) have no recorded size here.
+            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid],
+                        **({"bytes": self._shard_bytes[key]} if key in self._shard_bytes else {})}
+                       for sid, key in sorted(job.shard_keys.items())],
             "rollouts": int(job.state["count"]),
             "policy_version": int(job.state["version"]),
         }
@@ -492,6 +498,8 @@ class Checkpointer:
         for key in drop:
             self._manifest_refs.pop(key, None)
         self._durable.difference_update(stale_shards)
+        for key in stale_shards:
+            self._shard_bytes.pop(key, None)
 
 
 def read_manifest(store: ObjectStore, key: str | None = None, tag: Any = None) -> dict[str, Any]:
@@ -558,6 +566,9 @@ def validate_manifest(m: Any) -> None:
             raise CheckpointError(f"manifest shard key {key!r} must be shards/<name>.trs inside the prefix")
         if isinstance(live, bool) or not isinstance(live, int) or live < 1:
             raise CheckpointError(f"manifest shard {sid}: live_rows must be >= 1, got {live!r}")
+        size = s.get("bytes", 0)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
+            raise CheckpointError(f"manifest shard {sid}: bytes must be a size, got {size!r}")
         total_live += live
     if total_live != m["rollouts"]:
         raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")

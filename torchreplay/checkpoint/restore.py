@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from torchreplay import samplers, snapshot
+from torchreplay import boundedjson, samplers, snapshot
 from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
@@ -23,8 +23,15 @@ from torchreplay.storage import format as fmt
 if TYPE_CHECKING:
     from torchreplay.buffer import RolloutBuffer
 
+# The slot table, counters and sampler tree: some 100 B per slot, so 8 GiB is ~80M slots.
+MAX_STATE_BLOB_BYTES = 8 << 30
+
 def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     state_info = manifest["state"]
+    boundedjson.check_size(state_info["json_bytes"], boundedjson.MAX_DOCUMENT_BYTES, f"state {state_info['json']}",
+                           CheckpointError)
+    boundedjson.check_size(state_info["blob_bytes"], MAX_STATE_BLOB_BYTES, f"state {state_info['blob']}",
+                           CheckpointError)
     # Sizes first (stat / HEAD): an object grown past what the manifest records is refused unread.
     for name, recorded in (("json", state_info["json_bytes"]), ("blob", state_info["blob_bytes"])):
         size = store.size(state_info[name])
@@ -83,14 +90,17 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
     return paths
 
 
-def _fetch_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: int = fmt.MAX_ROWS,
-                 fields: dict[str, Any] | None = None) -> dict[int, fmt.PackedShard]:
+def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: int = fmt.MAX_ROWS,
+                      fields: dict[str, Any] | None = None) -> dict[int, fmt.PackedShard]:
     """Header and small blocks of every shard the manifest names, by ranged reads (no token data),
-    checked as `fmt.read_meta` checks them with `max_rows` and `fields`."""
+    checked as `fmt.read_meta` checks them with `max_rows` and `fields`: what is known of a shard
+    before any of its token data is read or downloaded."""
 
     def one(entry: dict[str, Any]) -> tuple[int, fmt.PackedShard]:
         key = entry["key"]
         size = with_retries(lambda: store.size(key), 60.0, f"size of {key}")
+        if "bytes" in entry and size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint shard {key} is {size} bytes, the manifest records {entry['bytes']}")
 
         def read(offset: int, length: int) -> bytes:
             return with_retries(lambda: store.get_range(key, offset, length), 60.0, f"read {key}")
@@ -149,7 +159,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
     durable: dict[int, str] = {}
     sources: dict[int, snapshot.ShardSource] = {}
     if lazy:
-        metas = _fetch_metas(store, manifest, max_rows=config.capacity, fields=shard_fields)
+        metas = fetch_shard_metas(store, manifest, max_rows=config.capacity, fields=shard_fields)
         for sid, meta in metas.items():
             key = by_id[sid]["key"]
 
@@ -158,10 +168,16 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
 
             sources[sid] = _Recorded(snapshot.RemoteShardSource(meta, fetch, meta.header.n), key, durable)
     else:
+        # Headers first, by ranged reads: a hostile shard is refused before its bytes are downloaded.
+        expected = {sid: meta.header.file_bytes
+                    for sid, meta in fetch_shard_metas(store, manifest, config.capacity, shard_fields).items()}
         paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
         try:
             for sid, path in paths.items():
                 try:
+                    if os.path.getsize(path) != expected[sid]:
+                        raise StorageError(f"changed during the restore: {os.path.getsize(path)} bytes, "
+                                           f"its header says {expected[sid]}")
                     rows = fmt.read_shard_meta(path, max_rows=config.capacity, fields=shard_fields).header.n
                 except StorageError as exc:
                     raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc

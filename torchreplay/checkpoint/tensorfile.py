@@ -27,7 +27,7 @@ FORMAT = "safetensors"
 _TENSOR = "__tensor__"
 _FLOAT = "__float__"
 # safetensors refuses headers over 100 MB itself; saying so first keeps the error ours.
-MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_BYTES = 16 << 20  # ~100 B per tensor: a state holds a few dozen
 # Real states nest a handful of levels (config, sampler, optimizer groups); the bound keeps walking a
 # hostile tree far from the interpreter's recursion limit.
 MAX_DEPTH = 64

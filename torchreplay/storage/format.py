@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 ALIGN = 4096
 PAGE_SIZE = 64 * 1024
 PREAMBLE = struct.Struct("<8sQI")
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # a 1.2 GiB shard's header is ~214 KiB (its page CRCs)
 # A shard is one add() (or a compaction of live rows), so its rows never exceed a buffer's capacity;
 # readers that know the capacity pass it. Without one, no real batch comes near this, and the
 # offsets block it allows (128 MiB) is the most a lying header can make a reader allocate.
