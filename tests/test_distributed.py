@@ -380,6 +380,33 @@ def _job_ckpt_to_two(rank: int, world: int, out: dict, uri: str) -> None:
     assert isinstance(buf.buffer.checkpointer, tr.Checkpointer)
 
 
+def _job_tag_write(rank: int, world: int, out: dict, uri: str) -> None:
+    """The trainer saves step 1 (a tagged cut on every rank), then runs on: LATEST is ahead."""
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer(capacity=24, checkpoint_uri=uri, checkpoint_interval_s=CKPT_INTERVAL_S,
+                                   sampler=_ckpt_sampler())
+    for step in range(2):
+        buf.add(unique_batch(3, version=step, seed=10 * rank + step, first_id=1000 * rank + 100 * step))
+    buf.advance(1)
+    buf.checkpoint(tag=1)
+    out["live_at_1"] = live_rollouts(buf.buffer)
+    buf.add(unique_batch(3, version=2, seed=50 + rank, first_id=1000 * rank + 200))
+    buf.advance(2)
+    buf.checkpoint()
+    buf.close()
+
+
+def _job_tag_resume(rank: int, world: int, out: dict, uri: str) -> None:
+    """Resume step 1, on the same world size (exact) or another one (resharded)."""
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer.from_checkpoint(uri, tag=1, checkpoint_interval_s=CKPT_INTERVAL_S)
+    out["live"] = live_rollouts(buf.buffer)
+    out["version"] = buf.buffer.version
+    buf.close()
+
+
 def _job_ckpt_to_three(rank: int, world: int, out: dict, uri: str) -> None:
     """3 ranks resume the 2-rank checkpoint (reshard), or a 3-rank one (same world size, exact);
     then draw one seeded global sample."""
@@ -464,7 +491,8 @@ def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
 
 
 JOBS = {"contract": _job_contract, "main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
-        "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three}
+        "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three, "tag_write": _job_tag_write,
+        "tag_resume": _job_tag_resume}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -742,6 +770,25 @@ def test_resume_leaves_older_generations_intact_and_refuses_bad_calls(ckpt_chain
     for res in ckpt_chain["two"]:
         assert "capacity" in res["err_capacity"] and "pass capacity >=" in res["err_capacity"]
         assert "checkpoint_uri" in res["err_checkpoint_kwarg"]
+
+
+def test_a_tagged_cut_resumes_on_the_same_and_on_another_world_size(tmp_path):
+    """The trainer resumes from step 1 while LATEST is at step 2: every rank restores the tagged
+    cut exactly (same world size), and a resharded resume holds exactly its rollouts."""
+    uri = f"file://{tmp_path}/run"
+    for name, job, world in (("write", "tag_write", 2), ("same", "tag_resume", 2), ("one", "tag_resume", 1)):
+        (tmp_path / name).mkdir()
+        results, codes = run_job(job, world, tmp_path / name, timeout_s=60, job_args={"uri": uri})
+        for r, res in enumerate(results):
+            assert res.get("ok"), f"{name}: rank {r} failed (exit {codes[r]}):\n{res.get('traceback')}"
+        if name == "write":
+            written = results
+        elif name == "same":
+            for r in range(2):
+                assert results[r]["version"] == 1 and results[r]["live"] == written[r]["live_at_1"]
+        else:
+            _same_rollouts([res["live_at_1"] for res in written], [results[0]["live"]])
+            assert results[0]["version"] == 1
 
 
 def test_plan_reshard_assigns_every_shard_once_and_balances():

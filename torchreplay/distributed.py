@@ -470,7 +470,8 @@ class DistributedRolloutBuffer:
     @classmethod
     def from_checkpoint(cls, uri: str, process_group: dist.ProcessGroup | None = None, mode: str = "local",
                         checkpoint_interval_s: float = 60.0, endpoint_url: str | None = None,
-                        progress: bool = False, **buffer_kwargs: Any) -> "DistributedRolloutBuffer":
+                        progress: bool = False, tag: int | str | None = None,
+                        **buffer_kwargs: Any) -> "DistributedRolloutBuffer":
         """Collective: resume from the newest complete checkpoint generation under the run prefix `uri`.
 
         Same world size: every rank restores its own shard exactly (`RolloutBuffer.from_checkpoint`:
@@ -485,6 +486,8 @@ class DistributedRolloutBuffer:
             uri: the run prefix the old job passed as `checkpoint_uri`; must be the same on every rank.
             process_group, mode, checkpoint_interval_s, endpoint_url: as for the constructor.
             progress: show download progress bars.
+            tag: resume the checkpoint every rank published with `checkpoint(tag=...)` (e.g. the
+                trainer step being resumed) in the newest complete generation, instead of LATEST.
             **buffer_kwargs: passed to the local `RolloutBuffer`; unset ones (capacity, staleness and
                 reuse caps, schema, built-in sampler) come from the checkpoint. When resharding,
                 each new rank's share must fit its `capacity` (ValueError otherwise, before anything
@@ -519,14 +522,14 @@ class DistributedRolloutBuffer:
                 ckpt = Checkpointer(place, interval_s=checkpoint_interval_s, endpoint_url=endpoint_url)
                 try:
                     self.buffer = RolloutBuffer.from_checkpoint(place, endpoint_url=endpoint_url, checkpoint=ckpt,
-                                                                progress=progress, **buffer_kwargs)
+                                                                progress=progress, tag=tag, **buffer_kwargs)
                 except BaseException:
                     with contextlib.suppress(CheckpointError):
                         ckpt.close(final=False)
                     raise
             else:
                 self.buffer, plan = self._import_share(uri, source, source_world, endpoint_url, progress,
-                                                       buffer_kwargs)
+                                                       buffer_kwargs, tag)
             _check_sampler(self.buffer, mode)
         except Exception as e:  # noqa: BLE001 - raised by _check_same_config, after the collective
             error = e
@@ -548,14 +551,14 @@ class DistributedRolloutBuffer:
         return self
 
     def _import_share(self, uri: str, source: int, source_world: int, endpoint_url: str | None, progress: bool,
-                      buffer_kwargs: dict[str, Any]) -> tuple[RolloutBuffer, float]:
+                      buffer_kwargs: dict[str, Any], tag: int | str | None = None) -> tuple[RolloutBuffer, float]:
         """Build this rank's shard from its share of generation `source`; returns it and a
         fingerprint of the plan (equal on every rank iff all read the same manifests)."""
         from torchreplay.checkpoint.restore import buffer_kwargs_from_config, load_state, sampler_from_state
 
         places = [rank_uri(uri, source, o) for o in range(source_world)]
         stores = [open_store(p, endpoint_url) for p in places]
-        manifests = [read_manifest(s) for s in stores]
+        manifests = [read_manifest(s, tag=tag) for s in stores]
         live_rows = [[entry["live_rows"] for entry in m["shards"]] for m in manifests]
         owner = plan_reshard(live_rows, self.world_size)
         share = [0] * self.world_size
@@ -589,7 +592,7 @@ class DistributedRolloutBuffer:
                                               f"({n} shards, planned with {len(mine)})")
                     return mine[i] == self.rank
 
-                imported += len(buffer.import_checkpoint(place, endpoint_url=endpoint_url, select=select,
+                imported += len(buffer.import_checkpoint(place, endpoint_url=endpoint_url, select=select, tag=tag,
                                                          keep_reuse=True, progress=progress))
             if imported != share[self.rank]:
                 raise CheckpointError(f"rank {self.rank} imported {imported} rollouts from generation {source}, "
@@ -600,15 +603,17 @@ class DistributedRolloutBuffer:
         text = repr((source, [(m["sequence"], m["session"]) for m in manifests], live_rows))
         return buffer, _fingerprint(text)
 
-    def checkpoint(self, timeout: float | None = None) -> None:
+    def checkpoint(self, tag: int | str | None = None, timeout: float | None = None) -> None:
         """Collective: every rank publishes a manifest of its shard; returns on every rank once all
-        of them are durable (a consistent cut of the job). `timeout` (seconds) bounds the local
-        wait; a rank whose publish fails raises its CheckpointError, the others ReplayError."""
+        of them are durable (a consistent cut of the job), under `tag` if given (the trainer's
+        step: `from_checkpoint(uri, tag=step)` resumes exactly this cut). `timeout` (seconds)
+        bounds the local wait; a rank whose publish fails raises its CheckpointError, the others
+        ReplayError."""
         if self.checkpoint_uri is None:
             raise ValueError("this DistributedRolloutBuffer has no checkpoint_uri")
         error = None
         try:
-            self.buffer.checkpoint(timeout=timeout)
+            self.buffer.checkpoint(tag=tag, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - raised by _agree, after the collective
             error = e
         self._agree("checkpoint", [], error)

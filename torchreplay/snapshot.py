@@ -365,15 +365,17 @@ class Persistence:
 
     def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
                           reprioritize=None, progress: bool = False, select=None,
-                          keep_reuse: bool = False) -> Handles:
+                          keep_reuse: bool = False, tag: int | str | None = None) -> Handles:
         """Seed this buffer with another run's rollouts (read-only: nothing there is changed).
 
         Policy versions are shifted by `version_offset`; `reprioritize(batch: dict) -> advantages`
         may replace their advantages (e.g. rescored by the current critic). `select(i, n)` takes
         only some of the checkpoint's n shards (e.g. one rank's share); `keep_reuse` carries use
-        counts over. Returns the new rollouts' handles."""
+        counts over; `tag` reads the checkpoint published under that tag instead of LATEST.
+        Returns the new rollouts' handles."""
         return _reader().import_rollouts(self, uri, endpoint_url=endpoint_url, version_offset=version_offset,
-                               reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse)
+                               reprioritize=reprioritize, progress=progress, select=select, keep_reuse=keep_reuse,
+                                          tag=tag)
 
 
 class CheckpointReader(Protocol):

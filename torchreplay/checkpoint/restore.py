@@ -203,7 +203,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
 def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | None, version_offset: int,
                     reprioritize: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
                     progress: bool, select: Callable[[int, int], bool] | None = None,
-                    keep_reuse: bool = False) -> "Handles":
+                    keep_reuse: bool = False, tag: Any = None) -> "Handles":
     """Add another run's live rollouts as new rollouts of this buffer (nothing is written there).
 
     `select(index, count)` picks which of the checkpoint's shards (by position in its manifest)
@@ -213,7 +213,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
     store = open_store(uri, endpoint_url)
-    manifest = read_manifest(store)
+    manifest = read_manifest(store, tag=tag)
     state = load_state(store, manifest)
     table = state["table"]
     if select is not None:
