@@ -209,23 +209,21 @@ def train_arm(
         entropy, clip_frac, elapsed = saved["entropy"], saved["clip_frac"], saved["elapsed"]
         if arm.replay_ratio > 0:
             buf = tr.RolloutBuffer.from_checkpoint(
-                f"{checkpoint_uri}/buffer", endpoint_url=endpoint_url, manifest=saved["buffer_manifest"],
+                f"{checkpoint_uri}/buffer", endpoint_url=endpoint_url, tag=saved["version"],
                 storage=storage(), checkpoint=True, progress=False, sampler=_make_sampler(arm))
         if progress is not None:
             progress.update(tokens_used)
 
     def save_checkpoint() -> None:
-        manifest = None
         if buf is not None:
-            buf.checkpoint()
-            manifest = buf.checkpointer.last_manifest
+            buf.checkpoint(tag=version)  # the buffer state that matches this trainer checkpoint
         trainer_ckpt.save({
             "model": model.state_dict(), "optimizer": optimizer_state(opt),
             "prompt_gen": prompt_gen.get_state(), "sample_gen": sample_gen.get_state(),
             "replay_gen": replay_gen.get_state(), "tokens_used": tokens_used, "version": version,
             "next_gid": next_gid, "trained_rollouts": trained_rollouts, "next_eval": next_eval,
             "curve": [list(p) for p in curve], "entropy": entropy, "clip_frac": clip_frac,
-            "elapsed": elapsed + time.perf_counter() - start, "buffer_manifest": manifest,
+            "elapsed": elapsed + time.perf_counter() - start,
         })
 
     while tokens_used < cfg.budget_tokens:
