@@ -37,8 +37,8 @@ the output), capped at 1M. Override with --capacity.
     python benchmarks/bench_buffer.py            # 8192 rollouts/step, B=8192 (~5-8 min on 2 cores)
     python benchmarks/bench_buffer.py --quick    # 1024 rollouts/step, B=1024, capacity 8192
 
-Run TorchRL from a venv that has it (benchmarks/setup_peers.sh), e.g.
-    PYTHONPATH=. /tmp/benchvenv/bin/python benchmarks/bench_buffer.py --quick
+Run TorchRL from a venv that has it (built as docs/benchmarks.md says, with benchmarks/setup_peers.sh):
+    PYTHONPATH=. $BENCH_PY benchmarks/bench_buffer.py --quick
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """ShardKeeper: a buffer's shards in TieredStorage, and the Checkpointer that follows them.
 
-Every shard the buffer writes or lets go passes through here, so the checkpointer hears of each
-one (it uploads sealed shards and forgets released ones) and background failures of either are
-raised on the trainer's next call.
+Every shard the buffer writes, adopts or lets go passes through here, so the checkpointer (any
+ShardListener) hears of each one: it uploads sealed shards and forgets released ones. On every
+buffer call `tick` surfaces a storage failure and lets the checkpointer raise its own, if its
+policy says so, and publish when one is due.
 """
 
 from __future__ import annotations

@@ -206,6 +206,17 @@ class SlotTable:
             raise ValueError("state: free slots + live rollouts != capacity")
         if live.any() and int(table["seq"][live].max()) >= state["next_seq"]:
             raise ValueError("state: a live slot's seq is not below next_seq")
+        # Values a buffer never holds: accepted, they would break sampling or the caps later.
+        if live.any():
+            if int(table["reuse"][live].min()) < 0:
+                raise ValueError("state: a live slot has a negative reuse count")
+            if not bool(torch.isfinite(table["advantage"][live]).all()):
+                raise ValueError("state: a live slot has a non-finite advantage")
+            versions = table["policy_version"][live]
+            if int(versions.min()) < 0 or int(versions.max()) > state["version"]:
+                raise ValueError(f"state: a live slot's policy_version is outside [0, version {state['version']}]")
+            if int(table["chunk"][live].min()) < 0 or int(table["row"][live].min()) < 0:
+                raise ValueError("state: a live slot names a negative shard or row")
 
     @classmethod
     def from_state(cls, capacity: int, track_versions: bool, state: Mapping[str, Any]) -> "SlotTable":

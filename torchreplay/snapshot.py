@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import torch
@@ -68,6 +69,10 @@ class BufferConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
             raise TypeError(f"pad_token_id must be an int, got {self.pad_token_id!r}")
+        if self.token_dtype in (torch.int32, torch.int64):
+            info = torch.iinfo(self.token_dtype)
+            if not info.min <= self.pad_token_id <= info.max:
+                raise ValueError(f"pad_token_id {self.pad_token_id} does not fit token_dtype {self.token_dtype}")
         if not isinstance(self.ref_logprobs, bool):
             raise TypeError(f"ref_logprobs must be a bool, got {self.ref_logprobs!r}")
         # Copies of the caller's containers: changing them later must not change this buffer.
@@ -79,12 +84,17 @@ class BufferConfig:
         if self.extra_fields is not None:
             if not isinstance(self.extra_fields, Mapping):
                 raise TypeError(f"extra_fields must be a mapping name -> FieldSpec, got {type(self.extra_fields).__name__}")
-            object.__setattr__(self, "extra_fields", dict(self.extra_fields))
+            object.__setattr__(self, "extra_fields", MappingProxyType(dict(self.extra_fields)))
         if self.sampler is not None:
             if not isinstance(self.sampler, Mapping) or not isinstance(self.sampler.get("type"), str):
                 raise TypeError(f"sampler must be a sampler spec {{'type', 'config'}}, got {self.sampler!r}")
-            object.__setattr__(self, "sampler", {"type": self.sampler["type"], "config": self.sampler.get("config")})
+            config = self.sampler.get("config")
+            object.__setattr__(self, "sampler", MappingProxyType(
+                {"type": self.sampler["type"], "config": MappingProxyType(dict(config)) if config is not None else None}))
         self.fields()  # the schema itself is validated here too (token_dtype, routing, extra names)
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
 
     def fields(self) -> dict[str, FieldSpec]:
         return default_fields(self.ref_logprobs, self.routing, self.extra_fields, self.token_dtype)
@@ -102,7 +112,8 @@ class BufferConfig:
                                     "required": spec.required, "accept": spec.accept}
                              for name, spec in sorted((self.extra_fields or {}).items())},
             "on_corrupt": self.on_corrupt, "token_dtype": DTYPE_NAMES[self.token_dtype],
-            "sampler": dict(self.sampler) if self.sampler is not None else None,
+            "sampler": {"type": self.sampler["type"], "config": None if self.sampler["config"] is None
+                        else dict(self.sampler["config"])} if self.sampler is not None else None,
         }
 
     @classmethod
@@ -236,10 +247,18 @@ class BufferSnapshot:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping, got {type(state).__name__}")
         config = BufferConfig.from_json(state.get("config"), extra_fields=extra_fields)
+        # The table must hold exactly `capacity` slots before anything is built for that capacity:
+        # a config may claim any capacity, the tensors are what the state really carries.
         table = state.get("table")
-        if not isinstance(table, Mapping) or not all(isinstance(table.get(k), torch.Tensor) for k in ("chunk", "live")):
-            raise ValueError("state 'table' must hold 'chunk' and 'live' tensors")
-        ids, rows = torch.unique(table["chunk"][table["live"].to(torch.bool)], return_counts=True)
+        if not isinstance(table, Mapping):
+            raise ValueError("state 'table' must be a mapping of slot tensors")
+        for name in SlotTable.TENSORS:
+            t = table.get(name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != config.capacity:
+                raise ValueError(f"state table[{name!r}] must be a 1-D tensor of the config's {config.capacity} slots")
+        if table["live"].dtype != torch.bool or table["chunk"].dtype != torch.int64:
+            raise ValueError("state table: 'live' must be bool and 'chunk' int64")
+        ids, rows = torch.unique(table["chunk"][table["live"]], return_counts=True)
         return cls(config, state, tuple(ShardInfo(i, r) for i, r in zip(ids.tolist(), rows.tolist())))
 
 
@@ -290,8 +309,9 @@ class Persistence:
                       **overrides: Any) -> "RolloutBuffer":
         """A buffer rebuilt from `snapshot` and its shards (id -> ShardSource): the one way back,
         used by `from_checkpoint` (eager and lazy). The buffer is configured by `snapshot.config`;
-        `overrides` replace constructor arguments (e.g. `seed`, `on_corrupt`, a larger
-        `capacity`). The sampler is rebuilt from the registry unless one is passed."""
+        `overrides` replace behaviour settings (the caps, `overflow`, padding, `on_corrupt`); the
+        layout (capacity and schema) must match the snapshot's. The sampler is rebuilt from the
+        registry unless one is passed."""
         if sampler is None:
             sampler = sampler_from_state(snapshot.state.get("sampler"))
         buffer = cls(sampler=sampler, storage=storage, **{**snapshot.config.constructor_kwargs(), **overrides})

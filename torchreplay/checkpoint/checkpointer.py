@@ -6,7 +6,7 @@ Layout under the run prefix::
     shards/<session>-<shard id>.trs     shard files (format.py), immutable
     state/<sequence>.json + .bin        buffer metadata (slot table, sampler, RNG, counters)
     manifests/<sequence>.json           names the state objects and every shard they need
-    tags/<tag>.json                     {"manifest": ...}: a trainer's own checkpoint, by name
+    tags/<tag>.json                     {"manifest", "sequence", "policy_version"}: a trainer's checkpoint, by name
     LATEST                              {"manifest": "manifests/<sequence>.json"}, written last
 
 A manifest is written only after every object it names is durable, manifests are immutable, and
@@ -58,6 +58,11 @@ _COALESCE_S = 0.05  # how long the worker gathers jobs before acting on them
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 
+class _SkipCollection(Exception):
+    """Garbage collection cannot tell safely what to keep this time (a tag or manifest could not
+    be read): it deletes nothing and tries again after the next publish."""
+
+
 def check_tag(tag: Any) -> str:
     """A tag as its key-safe string: an int (a trainer step) or a short name."""
     if isinstance(tag, bool) or not isinstance(tag, (int, str)):
@@ -80,7 +85,7 @@ class _Upload:
 
 @dataclass
 class _Publish:
-    sequence: int
+    sequence: int | None  # None until the worker knows the store's newest sequence
     state: dict[str, Any]
     shard_keys: dict[int, str]
     shard_rows: dict[int, int]
@@ -140,7 +145,8 @@ class Checkpointer:
             if max(helper_cpus) >= (os.cpu_count() or 1):
                 raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
         self.uri = uri
-        self.store: ObjectStore = open_store(uri, endpoint_url, multipart_bytes)  # reads from this process
+        self.store: ObjectStore = open_store(uri, endpoint_url, multipart_bytes,  # reads from this process
+                                             retry_budget_s=retry_budget_s)
         self._probe()
         self._helper_cpus = set(helper_cpus or [])
         self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=sorted(self._helper_cpus),
@@ -168,28 +174,32 @@ class Checkpointer:
         self._durable_taken_at = time.monotonic()  # before any publish: everything since attach is at risk
         self._background_publish: _Publish | None = None
         self._last_publish = time.monotonic()
-        self._sequence = self._next_sequence()
+        self._closed = False
+        self._sequence_lock = threading.Lock()
+        # None when the store could not be listed now: the worker lists it before the first publish,
+        # so a session never reuses (and then garbage-collects) an earlier run's manifest numbers.
+        self._sequence: int | None = self._next_sequence() if self._reachable else None
         self._worker = threading.Thread(target=self._run, name="torchreplay-checkpoint", daemon=True)
         self._worker.start()
         self.published: list[str] = []
         self.last_manifest: str | None = None
 
     def _probe(self) -> None:
+        self._reachable = True
         try:
             self.store.probe()
         except PermanentError as exc:
             raise CheckpointError(f"cannot checkpoint to {self.uri}: {exc}") from exc
         except CheckpointError as exc:
+            self._reachable = False
             log.warning("torchreplay checkpoint: %s is not reachable now (%s); background checkpoints will retry",
                         self.uri, exc)
 
-    def _next_sequence(self) -> int:
+    def _next_sequence(self) -> int | None:
         try:
-            existing = self.store.list("manifests")
+            return _after_newest(self.store.list("manifests"))
         except CheckpointError:
-            return 0
-        seqs = [int(k.split("/")[1].split(".")[0]) for k in existing if k.split("/")[1].split(".")[0].isdigit()]
-        return max(seqs, default=-1) + 1
+            return None
 
     # ------------------------------------------------------------------------ trainer thread
     def attach(self, buffer: "RolloutBuffer", known: dict[int, str] | None = None) -> None:
@@ -218,6 +228,8 @@ class Checkpointer:
                 "checkpoint_lag_s": time.monotonic() - self._durable_taken_at}
 
     def shard_sealed(self, shard_id: int) -> None:
+        if self._closed:
+            return  # nothing uploads any more: pinning the shard would keep it forever
         storage = self.buffer.storage
         shard = storage.shard(shard_id)
         key = f"shards/{self.session}-{shard_id:010d}.trs"
@@ -243,6 +255,8 @@ class Checkpointer:
         """Snapshot the buffer's metadata and publish a manifest (under `tag`, if given); with
         `wait`, return when it is durable, or raise CheckpointError if this publish failed."""
         tag = None if tag is None else check_tag(tag)
+        if self._closed:
+            raise CheckpointError(f"the checkpointer for {self.uri} is closed")
         job = self._enqueue_publish(tag, background=not wait)
         if wait:
             if not job.done.wait(timeout):
@@ -257,15 +271,21 @@ class Checkpointer:
         live_ids, live_rows = snapshot.live_shards(buffer.slots)
         with self._keys_lock:
             keys = {sid: self._keys[sid] for sid in live_ids}
-        job = _Publish(self._sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background)
-        self._sequence += 1
+        with self._sequence_lock:
+            sequence = self._sequence
+            if sequence is not None:
+                self._sequence += 1
+        job = _Publish(sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background)
         self._last_publish = time.monotonic()
-        self.last_manifest = f"manifests/{job.sequence:012d}.json"
+        self.last_manifest = None if sequence is None else f"manifests/{sequence:012d}.json"
         self._queue.put(job)
         return job
 
     def close(self, final: bool = True) -> None:
-        """Stop the worker; with `final`, publish once more first and raise if that fails."""
+        """Stop the worker; with `final`, publish once more first and raise if that fails. Calling
+        it again does nothing."""
+        if self._closed:
+            return
         final_error: BaseException | None = None
         try:
             if final and self.buffer is not None:
@@ -274,6 +294,7 @@ class Checkpointer:
                 except CheckpointError as exc:
                     final_error = exc
         finally:
+            self._closed = True
             self._queue.put(None)
             self._worker.join()
         if final_error is not None:
@@ -395,7 +416,8 @@ class Checkpointer:
             if job.background:
                 self._failed(str(exc))
             else:
-                self.failures += 1
+                self.failures += 1  # raised to its caller, and logged in case the caller timed out waiting
+                log.warning("torchreplay checkpoint %s failed: %s", job.sequence, exc)
         else:
             if job.taken_at >= self._durable_taken_at or self._last_success_unix is None:
                 self._durable_taken_at = job.taken_at
@@ -421,6 +443,7 @@ class Checkpointer:
         missing = [k for k in named if k not in self._durable]
         if missing:
             raise CheckpointError(f"manifest {job.sequence} names shards that are not durable: {missing[:3]}")
+        self._assign_sequence(job)
         text, blob = tensorfile.pack(job.state)
         name = f"{job.sequence:012d}"
         state_key, blob_key = f"state/{name}.json", f"state/{name}.bin"
@@ -451,34 +474,66 @@ class Checkpointer:
             self._tag_pointers[f"tags/{job.tag}.json"] = pointer
         self._remote.put("LATEST", json.dumps({"manifest": manifest_key}).encode())
         self.published.append(manifest_key)
-        self._collect_garbage()
+        self.last_manifest = manifest_key
+        # The publish is durable now: a failed clean-up is only logged (the next publish retries it).
+        try:
+            self._collect_garbage()
+        except (_SkipCollection, CheckpointError) as exc:
+            log.warning("torchreplay checkpoint: garbage collection skipped this time: %s", exc)
 
-    def _retained_tags(self) -> tuple[set[str], list[str]]:
-        """Manifests the retained tags name, and the tag objects past `keep_tags` to delete."""
+    def _assign_sequence(self, job: _Publish) -> None:
+        """A sequence after every manifest in the store, if the trainer thread could not know it."""
+        if job.sequence is not None:
+            return
+        newest = _after_newest(self._remote.list("manifests"))
+        with self._sequence_lock:
+            job.sequence = max(newest, self._sequence or 0)
+            self._sequence = job.sequence + 1
+
+    def _retained_tags(self) -> tuple[set[str], set[str], list[str]]:
+        """Manifests the retained tags name, manifests any tag names, and the tag objects past
+        `keep_tags` to delete."""
         for key in self._remote.list("tags"):
             if key not in self._tag_pointers:
                 try:
-                    pointer = json.loads(self._remote.get(key))
-                    self._tag_pointers[key] = pointer if isinstance(pointer, dict) else {}
-                except (CheckpointError, ValueError):
-                    self._tag_pointers[key] = {}  # unreadable: keeps nothing alive, and is not deleted
+                    data = self._remote.get(key)
+                except CheckpointError as exc:
+                    # Which manifest it names is unknown: deleting anything now might delete that one.
+                    raise _SkipCollection(f"cannot read {key}: {exc}") from exc
+                try:
+                    pointer = json.loads(data)
+                except ValueError:
+                    pointer = None
+                if not isinstance(pointer, dict):
+                    log.warning("torchreplay checkpoint: %s is not a tag pointer; it keeps nothing alive", key)
+                    pointer = {}
+                self._tag_pointers[key] = pointer
         by_age = sorted(self._tag_pointers.items(), key=lambda item: item[1].get("sequence", -1), reverse=True)
         keep = by_age if self.keep_tags is None else by_age[: self.keep_tags]
         drop = [] if self.keep_tags is None else [key for key, p in by_age[self.keep_tags :] if p]
+        tagged = {p.get("manifest") for _, p in by_age if isinstance(p.get("manifest"), str)}
         for key in drop:
             del self._tag_pointers[key]
-        return {p.get("manifest") for _, p in keep if isinstance(p.get("manifest"), str)}, drop
+        return {p.get("manifest") for _, p in keep if isinstance(p.get("manifest"), str)}, tagged, drop
 
     def _refs(self, manifest_key: str) -> tuple[set[str], set[str]]:
+        """The shard and state keys a retained manifest needs (cached: manifests are immutable)."""
         if manifest_key not in self._manifest_refs:
-            m = json.loads(self._remote.get(manifest_key))
+            try:
+                m = boundedjson.loads(self._remote.get(manifest_key), f"manifest {manifest_key}", CheckpointError)
+                validate_manifest(m)
+            except CheckpointError as exc:
+                raise _SkipCollection(f"cannot read retained {manifest_key}: {exc}") from exc
             self._manifest_refs[manifest_key] = ({s["key"] for s in m["shards"]}, {m["state"]["json"], m["state"]["blob"]})
         return self._manifest_refs[manifest_key]
 
     def _collect_garbage(self) -> None:
         manifests = self._remote.list("manifests")
-        tagged, stale_tags = self._retained_tags()
-        keep = set(manifests[-self.keep_last :]) | (tagged & set(manifests))
+        retained_tagged, tagged, stale_tags = self._retained_tags()
+        # keep_last counts untagged manifests; tagged ones live as long as their tag; the newest
+        # (what LATEST names) always stays.
+        untagged = [key for key in manifests if key not in tagged]
+        keep = set(untagged[-self.keep_last :]) | (retained_tagged & set(manifests)) | set(manifests[-1:])
         drop = [key for key in manifests if key not in keep]
         needed: set[str] = set()
         kept_states: set[str] = set()
@@ -500,6 +555,12 @@ class Checkpointer:
         self._durable.difference_update(stale_shards)
         for key in stale_shards:
             self._shard_bytes.pop(key, None)
+
+
+def _after_newest(manifest_keys: list[str]) -> int:
+    """The sequence after the newest of `manifests/<sequence>.json`."""
+    stems = [key.split("/")[-1].split(".")[0] for key in manifest_keys]
+    return max((int(stem) for stem in stems if stem.isdigit()), default=-1) + 1
 
 
 def read_manifest(store: ObjectStore, key: str | None = None, tag: Any = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
@@ -14,17 +15,21 @@ from torchreplay import boundedjson, samplers, snapshot
 from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
-from torchreplay.checkpoint.store import ObjectStore, open_store, with_retries
+from torchreplay.checkpoint.store import ObjectStore, RetriedReads, open_store, with_retries
 from torchreplay.errors import CheckpointError, StorageError
-from torchreplay.slots import TABLE_FIELDS
+from torchreplay.shards import ShardListener
+from torchreplay.slots import TABLE_FIELDS, SlotTable
 from torchreplay.storage import TieredStorage
 from torchreplay.storage import format as fmt
 
 if TYPE_CHECKING:
     from torchreplay.buffer import RolloutBuffer
 
-# The slot table, counters and sampler tree: some 100 B per slot, so 8 GiB is ~80M slots.
+# The slot table, counters and sampler tree: some 90 B per slot (measured for every built-in
+# sampler) and a few KiB more; 8 GiB is ~80M slots.
 MAX_STATE_BLOB_BYTES = 8 << 30
+STATE_BYTES_PER_SLOT = 256
+STATE_FIXED_BYTES = 1 << 20
 
 def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     state_info = manifest["state"]
@@ -39,6 +44,13 @@ def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint state object {state_info[name]} is {size} bytes, the manifest "
                                   f"records {recorded}")
     text = store.get(state_info["json"])
+    # The blob holds ~90 bytes per slot: one far larger than the capacity it describes is refused
+    # before it is read.
+    capacity = tensorfile.peek(text, ("config", "capacity"))
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise CheckpointError(f"checkpoint state config capacity {capacity!r} is not a slot count")
+    boundedjson.check_size(state_info["blob_bytes"], STATE_FIXED_BYTES + STATE_BYTES_PER_SLOT * capacity,
+                           f"state {state_info['blob']} of a {capacity}-slot buffer", CheckpointError)
     blob = store.get(state_info["blob"])
     if len(text) != state_info["json_bytes"] or len(blob) != state_info["blob_bytes"]:
         raise CheckpointError("checkpoint state objects do not have the sizes the manifest records")
@@ -66,9 +78,12 @@ def buffer_kwargs_from_config(config: dict[str, Any], overrides: dict[str, Any] 
     return recorded.constructor_kwargs()
 
 
-def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, desc: str) -> dict[int, str]:
-    """Download every shard the manifest names into a temp dir; returns id -> local path."""
-    tmp = tempfile.mkdtemp(prefix="torchreplay-restore-")
+def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, desc: str,
+                  into: str | None = None) -> tuple[str, dict[int, str]]:
+    """Download every shard the manifest names into a new temp dir (inside `into`, e.g. the cold
+    tier's directory, so adopting a file is a rename on one file system); returns the dir, which
+    the caller removes, and id -> local path."""
+    tmp = tempfile.mkdtemp(prefix="torchreplay-restore-", dir=into)
     shards = manifest["shards"]
     bar = None
     if progress:
@@ -83,15 +98,20 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
             bar.update(1)
         return entry["id"], path
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        paths = dict(pool.map(one, shards))
-    if bar is not None:
-        bar.close()
-    return paths
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            paths = dict(pool.map(one, shards))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return tmp, paths
 
 
 def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: int = fmt.MAX_ROWS,
-                      fields: dict[str, Any] | None = None) -> dict[int, fmt.PackedShard]:
+                      fields: dict[str, Any] | None = None, convertible: bool = False) -> dict[int, fmt.PackedShard]:
     """Header and small blocks of every shard the manifest names, by ranged reads (no token data),
     checked as `fmt.read_meta` checks them with `max_rows` and `fields`: what is known of a shard
     before any of its token data is read or downloaded."""
@@ -107,7 +127,8 @@ def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: in
 
         try:
             # A small first read: the header room is a few KiB, and every byte counts over a network.
-            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024, max_rows=max_rows, fields=fields)
+            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024, max_rows=max_rows, fields=fields,
+                                              convertible=convertible)
         except StorageError as exc:
             raise CheckpointError(f"checkpoint shard {key}: {exc}") from exc
 
@@ -132,7 +153,9 @@ class _Recorded:
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
             checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
             tag: Any = None, **kwargs: Any) -> "RolloutBuffer":
-    store = open_store(uri, endpoint_url)
+    if checkpoint is not True and checkpoint is not False and not isinstance(checkpoint, ShardListener):
+        raise TypeError(f"checkpoint must be True, False or a Checkpointer, got {type(checkpoint).__name__}")
+    store = RetriedReads(open_store(uri, endpoint_url))
     manifest = read_manifest(store, manifest_key, tag=tag)
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
@@ -171,7 +194,8 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
         # Headers first, by ranged reads: a hostile shard is refused before its bytes are downloaded.
         expected = {sid: meta.header.file_bytes
                     for sid, meta in fetch_shard_metas(store, manifest, config.capacity, shard_fields).items()}
-        paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}")
+        into = storage.spill_dir if storage is not None and storage.tiered else None
+        download_dir, paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}", into=into)
         try:
             for sid, path in paths.items():
                 try:
@@ -183,20 +207,20 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
                     raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc
                 sources[sid] = _Recorded(snapshot.FileShardSource(path, rows), by_id[sid]["key"], durable)
         except BaseException:
-            for p in paths.values():
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            shutil.rmtree(download_dir, ignore_errors=True)
             raise
     try:
         buffer = cls.from_snapshot(dataclasses.replace(recorded, config=config), sources, sampler=sampler,
                                    storage=storage, **kwargs)
     except (ValueError, TypeError, KeyError, StorageError) as exc:
         raise CheckpointError(f"checkpoint {uri} failed validation: {exc}") from exc
-    if checkpoint:
-        ckpt = checkpoint if isinstance(checkpoint, Checkpointer) else Checkpointer(uri, endpoint_url=endpoint_url)
-        buffer.attach_checkpointer(ckpt, durable=durable if ckpt.store.uri == store.uri else {})
+    finally:
+        if not lazy:
+            shutil.rmtree(download_dir, ignore_errors=True)  # adopted files were moved out (or read)
+    if checkpoint is not False:
+        ckpt = Checkpointer(uri, endpoint_url=endpoint_url) if checkpoint is True else checkpoint
+        same_place = getattr(getattr(ckpt, "store", None), "uri", None) == store.uri
+        buffer.attach_checkpointer(ckpt, durable=durable if same_place else {})
     return buffer
 
 
@@ -212,9 +236,15 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
 
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
-    store = open_store(uri, endpoint_url)
+    store = RetriedReads(open_store(uri, endpoint_url))
     manifest = read_manifest(store, tag=tag)
     state = load_state(store, manifest)
+    try:
+        # The same checks as a restore's, before any of the table is used to index anything.
+        recorded = snapshot.BufferSnapshot.from_state(state)
+        SlotTable(recorded.config.capacity, False).check_state(state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {uri}: {exc}") from exc
     table = state["table"]
     if select is not None:
         count = len(manifest["shards"])
@@ -225,7 +255,10 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     # more rows than its slot table has slots.
     shard_fields = {k: v for k, v in buffer.settings.fields().items() if k not in TABLE_FIELDS}
     max_rows = int(table["chunk"].numel())
-    paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
+    # Sizes and headers first (stat/HEAD and ranged reads): a hostile shard is refused before it
+    # is downloaded.
+    fetch_shard_metas(store, manifest, max_rows, shard_fields, convertible=True)
+    download_dir, paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
     handles = []
     try:
         for sid, path in sorted(paths.items()):
@@ -264,11 +297,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
                     buffer.carry_reuse(added, table["reuse"][slots])
                 handles.append(added)
     finally:
-        for path in paths.values():
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        shutil.rmtree(download_dir, ignore_errors=True)
     if not handles:
         return Handles(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
     return Handles(torch.cat([h.slot for h in handles]), torch.cat([h.generation for h in handles]))

@@ -30,9 +30,11 @@ ROOMS = ("shards", "manifests", "state", "tags")
 PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG,
                     errno.ENOTDIR, errno.EISDIR}
 # S3 answers that a retry cannot change (a missing bucket, refused credentials, a malformed request).
+# Only these codes: others (RequestTimeout, BadDigest, SlowDown, a refreshable ExpiredToken...)
+# may clear on a retry even when they come with a 400.
 PERMANENT_S3_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                       "InvalidBucketName", "AllAccessDisabled", "AccountProblem", "InvalidRequest",
-                      "InvalidArgument", "MalformedXML", "InvalidToken", "ExpiredToken"}
+                      "InvalidArgument", "MalformedXML", "InvalidToken", "NotImplemented", "MethodNotAllowed"}
 
 
 class MissingObject(CheckpointError):
@@ -238,7 +240,7 @@ class S3Store:
     CRC32 checksum the server verifies. Credentials are never logged."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20,
-                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+                 retry_budget_s: float = 60.0) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -252,11 +254,16 @@ class S3Store:
         self.endpoint_url = endpoint_url
         # botocore's standard mode retries what it classifies as transient (throttling, 5xx,
         # dropped connections) with jittered backoff, per request, so one failed multipart part is
-        # retried alone. `with_retries` bounds the whole operation by the wall-clock budget.
-        config = Config(retries={"total_max_attempts": 5, "mode": "standard"}, connect_timeout=connect_timeout_s,
-                        read_timeout=read_timeout_s, request_checksum_calculation="when_supported")
+        # retried alone. `with_retries` bounds the whole operation by the wall-clock budget, and
+        # the attempts and timeouts of one request are sized so it cannot overrun it by much.
+        budget = max(float(retry_budget_s), 1.0)
+        config = Config(retries={"total_max_attempts": 5 if budget >= 20 else 2, "mode": "standard"},
+                        connect_timeout=min(5.0, budget / 4), read_timeout=min(30.0, budget / 2),
+                        request_checksum_calculation="when_supported")
         session = boto3.session.Session()
         self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.probe_client = session.client("s3", endpoint_url=endpoint_url, config=config.merge(Config(
+            retries={"total_max_attempts": 2, "mode": "standard"}, connect_timeout=2.0, read_timeout=5.0)))
         self.transfer = TransferConfig(multipart_threshold=multipart_bytes, multipart_chunksize=multipart_bytes,
                                        use_threads=True, max_concurrency=4)
 
@@ -272,19 +279,15 @@ class S3Store:
             return fn()
         except (BotoCoreError, ClientError, Boto3Error) as exc:
             code, status = s3_error_code(exc)
-            if code in ("404", "NoSuchKey", "NotFound"):
-                cls = MissingObject
-            elif code in PERMANENT_S3_CODES or status in (400, 401, 403):
-                cls = PermanentError
-            else:
-                cls = CheckpointError
-            raise cls(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed ({code or type(exc).__name__}): "
+            raise s3_error_class(code, status)(f"S3 {what} s3://{self.bucket}/{self._key(key)} failed ({code or type(exc).__name__}): "
                       f"{exc}") from exc
 
     def probe(self) -> None:
         """Fail now if the bucket is missing or the credentials are refused: one listing of the
-        prefix, which needs both (a PermanentError names the bucket and S3's error code)."""
-        self._wrap("list", "LATEST", lambda: self.client.list_objects_v2(
+        prefix, which needs both (a PermanentError names the bucket and S3's error code). Two
+        short attempts at most: an endpoint that does not answer is an outage, not an error, and
+        this runs on the trainer's thread."""
+        self._wrap("list", "LATEST", lambda: self.probe_client.list_objects_v2(
             Bucket=self.bucket, Prefix=self._key("LATEST"), MaxKeys=1))
 
     def put(self, key: str, data: bytes) -> None:
@@ -361,8 +364,19 @@ def s3_error_code(exc: BaseException) -> tuple[str | None, int | None]:
     return None, None
 
 
-def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20) -> ObjectStore:
-    """The store at `uri`; `multipart_bytes` is the size from which S3 uploads go in parts."""
+def s3_error_class(code: str | None, status: int | None) -> type[CheckpointError]:
+    """How an S3 error is handled: MissingObject and PermanentError are not retried."""
+    if code in ("404", "NoSuchKey", "NotFound"):
+        return MissingObject
+    if code in PERMANENT_S3_CODES or status in (401, 403):
+        return PermanentError
+    return CheckpointError
+
+
+def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int = 64 << 20,
+               retry_budget_s: float = 60.0) -> ObjectStore:
+    """The store at `uri`; `multipart_bytes` is the size from which S3 uploads go in parts;
+    `retry_budget_s` bounds how long one S3 request may take, its own retries included."""
     if not isinstance(uri, str):
         raise TypeError(f"checkpoint uri must be a str, got {type(uri).__name__}")
     parsed = urlparse(uri)
@@ -372,8 +386,38 @@ def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int =
         return FileStore(parsed.path)
     if parsed.scheme == "s3":
         return S3Store(uri, endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"),
-                       multipart_bytes=multipart_bytes)
+                       multipart_bytes=multipart_bytes, retry_budget_s=retry_budget_s)
     raise ValueError(f"checkpoint uri must start with s3:// or file://, got {uri!r}")
+
+
+class RetriedReads:
+    """A store whose reads are retried (transient errors, within `budget_s` each), for restores:
+    one dropped connection must not fail a resume. Only the I/O is retried, never a validation
+    of what was read, so a hostile object is still refused at once."""
+
+    def __init__(self, store: ObjectStore, budget_s: float = 60.0) -> None:
+        self.store, self.budget_s, self.uri = store, budget_s, store.uri
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        return with_retries(fn, self.budget_s, what)
+
+    def get(self, key: str) -> bytes:
+        return self._retry(f"read {key}", lambda: self.store.get(key))
+
+    def get_to_file(self, key: str, path: str) -> None:
+        self._retry(f"download {key}", lambda: self.store.get_to_file(key, path))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._retry(f"read {key}", lambda: self.store.get_range(key, start, length))
+
+    def size(self, key: str) -> int:
+        return self._retry(f"size of {key}", lambda: self.store.size(key))
+
+    def exists(self, key: str) -> bool:
+        return self._retry(f"look up {key}", lambda: self.store.exists(key))
+
+    def list(self, room: str) -> list[str]:
+        return self._retry(f"list {room}", lambda: self.store.list(room))
 
 
 def with_retries(fn: Callable[[], T], budget_s: float, what: str, base_s: float = 0.05, cap_s: float = 2.0,

@@ -160,6 +160,18 @@ def _references(tree: Any) -> set[str]:
     return names
 
 
+def peek(text: bytes, path: tuple[str, ...]) -> Any:
+    """The plain value at `path` in a packed state's tree, read from its JSON alone (for checks
+    to make before the blob is read); CheckpointError if it is not there."""
+    doc = boundedjson.loads(text, "state JSON", CheckpointError)
+    node = doc.get("tree") if isinstance(doc, dict) else None
+    for name in path:
+        if not isinstance(node, dict) or name not in node:
+            raise CheckpointError(f"state JSON has no {'.'.join(path)}")
+        node = node[name]
+    return node
+
+
 def unpack(text: bytes, blob: bytes) -> Any:
     """Inverse of `pack`. Every way hostile or corrupt input can fail is a CheckpointError."""
     doc = boundedjson.loads(text, "state JSON", CheckpointError)

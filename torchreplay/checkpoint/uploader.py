@@ -209,7 +209,7 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
 
     def open_once():
         try:
-            return open_store(uri, endpoint_url or None, int(multipart_bytes))
+            return open_store(uri, endpoint_url or None, int(multipart_bytes), retry_budget_s=budget)
         except OSError as exc:  # e.g. a local directory that cannot be created: maybe transient
             raise CheckpointError(f"cannot open {uri}: {exc}") from exc
 

@@ -61,7 +61,10 @@ class DemoConfig:
     """Everything a run needs; the defaults are the documented demo (see docs/demo_findings.md).
 
     Attributes:
-        num_digits: digits to sort per prompt.
+        task: ``"sort"`` (sort digits, partial credit available) or ``"arithmetic"`` (reasoning-gym's
+            basic_arithmetic with its own scoring: a sparse 0/1 reward).
+        num_digits: digits to sort per prompt (sort task).
+        num_terms: single-digit terms per question (arithmetic task).
         reward: ``"partial"`` (fraction of answer positions right) or ``"exact"`` (1 for an exact match, else 0).
         budget_tokens: generated tokens each arm may spend (the compute being compared).
         target_acc: exact-match accuracy whose first crossing is reported, in [0, 1].
@@ -74,7 +77,9 @@ class DemoConfig:
         arms: the arms to train.
     """
 
+    task: str = "sort"
     num_digits: int = 6
+    num_terms: int = 3
     reward: str = "partial"
     budget_tokens: int = 300_000
     target_acc: float = 0.7
@@ -112,6 +117,17 @@ def default_config(full: bool = False, quick: bool = False) -> DemoConfig:
     return cfg
 
 
+def make_task(cfg: DemoConfig) -> Any:
+    """The task a config names (the sampled problems differ by seed, the task itself does not)."""
+    if cfg.task == "sort":
+        return SortTask(cfg.num_digits)
+    if cfg.task == "arithmetic":
+        from torchreplay.demo.rg_task import ArithmeticTask
+
+        return ArithmeticTask(cfg.num_terms)
+    raise ValueError(f"task must be 'sort' or 'arithmetic', got {cfg.task!r}")
+
+
 def _make_sampler(arm: ArmConfig) -> Any:
     if arm.sampler == "uniform":
         return tr.UniformSampler()
@@ -119,9 +135,9 @@ def _make_sampler(arm: ArmConfig) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: TinyCausalLM, task: SortTask, prompts: torch.Tensor, digits: torch.Tensor) -> float:
+def evaluate(model: TinyCausalLM, task: Any, prompts: torch.Tensor, digits: torch.Tensor) -> float:
     """Greedy exact-match accuracy on a fixed prompt set, in [0, 1]."""
-    ro = generate(model, prompts, task.max_new_tokens, task.tok.eos_id, greedy=True)
+    ro = generate(model, prompts, task.max_new_tokens, task.eos_id, greedy=True)
     _, exact = task.score(digits, ro.tokens[:, task.prompt_len :])
     return float(exact.float().mean())
 
@@ -164,8 +180,8 @@ def train_arm(
     ``cfg.target_acc`` (None if never), final accuracy, entropy (nats/token), wall time (s), steps,
     rollouts trained on, and the buffer's ``metrics()`` (replay arms).
     """
-    task = SortTask(cfg.num_digits)
-    model = TinyCausalLM(len(task.tok), max_len=task.prompt_len + task.max_new_tokens)
+    task = make_task(cfg)
+    model = TinyCausalLM(len(task), max_len=task.prompt_len + task.max_new_tokens)
     model.load_state_dict(init_state)
     opt = torch.optim.AdamW(model.parameters(), lr=arm.lr, weight_decay=0.0)
     # Same prompt stream for every arm with the same seed: differences come from the method alone.
@@ -230,7 +246,7 @@ def train_arm(
         prompts, digits = task.prompts(arm.prompts_per_step, prompt_gen)
         prompts = prompts.repeat_interleave(arm.group_size, dim=0)
         digits = digits.repeat_interleave(arm.group_size, dim=0)
-        ro = generate(model, prompts, task.max_new_tokens, task.tok.eos_id, sample_gen)
+        ro = generate(model, prompts, task.max_new_tokens, task.eos_id, sample_gen)
         reward, exact = task.score(digits, ro.tokens[:, task.prompt_len :])
         if cfg.reward == "exact":
             reward = exact.float()
@@ -299,9 +315,9 @@ def _is_number(v: Any) -> bool:
 
 def warm_start(cfg: DemoConfig, seed: int) -> tuple[dict[str, torch.Tensor], float]:
     """The shared SFT warm start for ``seed``: (state dict, seconds it took)."""
-    task = SortTask(cfg.num_digits)
+    task = make_task(cfg)
     torch.manual_seed(seed)
-    model = TinyCausalLM(len(task.tok), max_len=task.prompt_len + task.max_new_tokens)
+    model = TinyCausalLM(len(task), max_len=task.prompt_len + task.max_new_tokens)
     t0 = time.perf_counter()
     sft_warm_start(model, task, cfg.sft_steps, cfg.sft_batch, cfg.sft_lr, torch.Generator().manual_seed(seed + 7))
     return copy.deepcopy(model.state_dict()), time.perf_counter() - t0
@@ -309,7 +325,7 @@ def warm_start(cfg: DemoConfig, seed: int) -> tuple[dict[str, torch.Tensor], flo
 
 def eval_set(cfg: DemoConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out prompts (disjoint stream from training: its own generator)."""
-    return SortTask(cfg.num_digits).prompts(cfg.eval_prompts, torch.Generator().manual_seed(10_000 + seed))
+    return make_task(cfg).prompts(cfg.eval_prompts, torch.Generator().manual_seed(10_000 + seed))
 
 
 _BUFFER_HIGHLIGHTS = (

@@ -51,6 +51,10 @@ class SortTask:
         self.tok = Tokenizer()
         self.prompt_len = num_digits + 1
         self.max_new_tokens = num_digits + 1
+        self.eos_id = self.tok.eos_id
+
+    def __len__(self) -> int:
+        return len(self.tok)
 
     def prompts(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw ``n`` prompts.
