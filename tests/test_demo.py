@@ -43,6 +43,16 @@ def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
     assert metrics["sampled_replay"] > 0 and metrics["reuse_mean"] >= 0.0
     # Replay trains on more rollouts for the same generated tokens: that is the whole point.
     assert runs["replay"]["trained_rollouts"] > runs["on-policy"]["trained_rollouts"]
+    for r in runs.values():
+        # Compute accounting: every trained token counted once per step it is trained on.
+        assert r["trained_tokens"] >= r["trained_rollouts"] * (res["config"]["num_digits"] + 2)
+        assert r["compute"] == pytest.approx(r["generated_tokens"] * res["config"]["gen_cost_per_token"]
+                                             + r["trained_tokens"])
+        assert len(r["compute_curve"]) == len(r["curve"]) and r["compute_curve"][-1][0] == pytest.approx(r["compute"])
+    # Replay trains on more tokens per generated token, so it costs more compute per generated token.
+    assert runs["replay"]["trained_tokens"] > runs["on-policy"]["trained_tokens"]
+    for png in ("accuracy_vs_tokens.png", "accuracy_vs_compute.png"):
+        assert (quick_out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (quick_out / "accuracy_vs_tokens.png").stat().st_size > 1000
     assert (quick_out / "accuracy_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "on-policy" in (quick_out / "table.txt").read_text()
@@ -117,3 +127,42 @@ def test_group_advantages() -> None:
     adv = group_advantages(reward, gid)
     assert adv[:4].sum().abs() < 1e-5 and adv[0] > 0 > adv[1]
     assert torch.equal(adv[4:], torch.zeros(2))
+
+
+def test_arithmetic_task_uses_reasoning_gyms_generator_and_scoring() -> None:
+    """The sparse-reward task's questions are reasoning-gym's own, and so is its verdict: a right
+    answer scores 1, a wrong or malformed one 0."""
+    import reasoning_gym
+
+    from torchreplay.demo.rg_task import ArithmeticTask
+
+    task = ArithmeticTask(num_terms=2)
+    prompts, indices = task.prompts(64, torch.Generator().manual_seed(3))
+    assert prompts.shape == (64, task.prompt_len)
+    reference = reasoning_gym.create_dataset("basic_arithmetic", size=1_000_000, seed=0, min_terms=2, max_terms=2,
+                                             min_digits=1, max_digits=1, operators=("+", "-"),
+                                             allow_parentheses=False, allow_negation=False)
+    for row, index in zip(prompts[:8], indices[:8].tolist()):
+        text = "".join(task.vocab[i] for i in row.tolist()).lstrip("_")
+        assert text == reference[index]["question"] + ">"
+    right = task.target(indices)
+    reward, exact = task.score(indices, right)
+    assert bool(exact.all()) and bool((reward == 1).all())
+    wrong = right.roll(1, dims=0)  # another question's answer: mostly wrong
+    reward, exact = task.score(indices, wrong)
+    expected = torch.tensor([reference[i]["answer"] == reference[j]["answer"]
+                             for i, j in zip(indices.tolist(), indices.roll(1).tolist())])
+    assert torch.equal(exact, expected) and set(reward.tolist()) <= {0.0, 1.0}
+    garbage = torch.full_like(right, task.stoi["+"])
+    assert float(task.score(indices, garbage)[0].sum()) == 0.0
+
+
+def test_a_few_grpo_steps_on_the_arithmetic_task(tmp_path) -> None:
+    from torchreplay.demo import runner
+
+    cfg = runner.default_config(quick=True)
+    cfg.task, cfg.num_terms = "arithmetic", 2
+    init, _ = runner.warm_start(cfg, 0)
+    res = runner.train_arm(cfg.arms[1], cfg, init, 0, runner.eval_set(cfg, 0))
+    assert res["generated_tokens"] >= cfg.budget_tokens and res["trained_tokens"] > res["generated_tokens"]
+    assert res["buffer_metrics"]["sampled_replay"] > 0

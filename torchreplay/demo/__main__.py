@@ -1,4 +1,4 @@
-"""`python -m torchreplay.demo [--out DIR] [--seed N] [--full | --quick]`."""
+"""`python -m torchreplay.demo [--out DIR] [--seed N] [--full | --quick] [--gen-cost R]`."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3", default=None, metavar="URI", help="checkpoint to s3://bucket/prefix instead of a local dir")
     parser.add_argument("--endpoint-url", default=None, help="S3 endpoint URL (with --s3)")
     parser.add_argument("--resume", action="store_true", help="continue a killed demo from its last checkpoint")
+    parser.add_argument("--gen-cost", type=float, default=None, metavar="R",
+                        help="a generated token's cost relative to a trained token (forward + backward) in the "
+                             "compute columns; default 1/3, the FLOP ratio 2N/6N (Kaplan et al. 2020)")
     args = parser.parse_args(argv)
     return run(out=args.out, seed=args.seed, full=args.full, quick=args.quick, resume=args.resume, s3=args.s3,
-               endpoint_url=args.endpoint_url)
+               endpoint_url=args.endpoint_url, gen_cost_per_token=args.gen_cost)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ class DemoConfig:
         sft_steps, sft_batch, sft_lr: the shared supervised warm start.
         clip_eps: PPO clip range.
         threads: torch intra-op threads (tiny models run best on one or two).
+        gen_cost_per_token: cost of one generated token relative to one trained token (forward +
+            backward), for the total-compute column. The default 1/3 is the FLOP ratio: a forward
+            pass costs ~2N FLOPs per token and a training step ~6N (Kaplan et al. 2020, "Scaling
+            Laws for Neural Language Models", sec. 2.1). Memory-bound decoding makes generation
+            dearer per token in wall time on real hardware; pass your own measured ratio.
         checkpoint_every: optimizer steps between checkpoints (buffer + trainer).
         arms: the arms to train.
     """
@@ -90,6 +96,7 @@ class DemoConfig:
     sft_lr: float = 3e-3
     clip_eps: float = 0.2
     threads: int = 1
+    gen_cost_per_token: float = 1 / 3
     checkpoint_every: int = 25
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -210,8 +217,9 @@ def train_arm(
     start = time.perf_counter()
     if saved is None:
         buf = new_buffer() if arm.replay_ratio > 0 else None
-        tokens_used, version, next_gid, trained_rollouts = 0, 0, 0, 0
+        tokens_used, version, next_gid, trained_rollouts, trained_tokens = 0, 0, 0, 0, 0
         curve = [(0, evaluate(model, task, *eval_set))]
+        compute_curve = [(0.0, curve[0][1])]
         next_eval = cfg.eval_every_tokens
         entropy, clip_frac, elapsed = float("nan"), 0.0, 0.0
     else:
@@ -221,7 +229,9 @@ def train_arm(
             gen.set_state(saved[key])
         tokens_used, version, next_gid = saved["tokens_used"], saved["version"], saved["next_gid"]
         trained_rollouts, next_eval = saved["trained_rollouts"], saved["next_eval"]
+        trained_tokens = saved["trained_tokens"]
         curve = [tuple(p) for p in saved["curve"]]
+        compute_curve = [tuple(p) for p in saved["compute_curve"]]
         entropy, clip_frac, elapsed = saved["entropy"], saved["clip_frac"], saved["elapsed"]
         if arm.replay_ratio > 0:
             buf = tr.RolloutBuffer.from_checkpoint(
@@ -237,8 +247,9 @@ def train_arm(
             "model": model.state_dict(), "optimizer": optimizer_state(opt),
             "prompt_gen": prompt_gen.get_state(), "sample_gen": sample_gen.get_state(),
             "replay_gen": replay_gen.get_state(), "tokens_used": tokens_used, "version": version,
-            "next_gid": next_gid, "trained_rollouts": trained_rollouts, "next_eval": next_eval,
-            "curve": [list(p) for p in curve], "entropy": entropy, "clip_frac": clip_frac,
+            "next_gid": next_gid, "trained_rollouts": trained_rollouts, "trained_tokens": trained_tokens,
+            "next_eval": next_eval,
+            "curve": [list(p) for p in curve], "compute_curve": [list(p) for p in compute_curve], "entropy": entropy, "clip_frac": clip_frac,
             "elapsed": elapsed + time.perf_counter() - start,
         })
 
@@ -269,6 +280,8 @@ def train_arm(
         opt.step()
         version += 1
         trained_rollouts += tokens.shape[0]
+        # Forward + backward runs over every real (unpadded) position of the batch, prompt included.
+        trained_tokens += int(batch.attention_mask.sum()) if buf is not None else int(ro.lengths.sum())
         clip_frac = stats["clip_frac"]
         if buf is not None:
             # A group's advantage depends only on its rewards, which don't change; the stored values keep
@@ -279,6 +292,7 @@ def train_arm(
             progress.update(min(ro.num_generated, cfg.budget_tokens - (tokens_used - ro.num_generated)))
         while tokens_used >= next_eval or tokens_used >= cfg.budget_tokens:
             curve.append((tokens_used, evaluate(model, task, *eval_set)))
+            compute_curve.append((tokens_used * cfg.gen_cost_per_token + trained_tokens, curve[-1][1]))
             next_eval += cfg.eval_every_tokens
             if tokens_used >= cfg.budget_tokens:
                 break
@@ -289,6 +303,7 @@ def train_arm(
     result: dict[str, Any] = {
         "config": asdict(arm),
         "curve": [[int(t), float(a)] for t, a in curve],
+        "compute_curve": [[float(c), float(a)] for c, a in compute_curve],
         "tokens_to_target": reached,
         "final_acc": curve[-1][1],
         "best_acc": max(a for _, a in curve),
@@ -298,6 +313,9 @@ def train_arm(
         "steps": version,
         "generated_tokens": tokens_used,
         "trained_rollouts": trained_rollouts,
+        "trained_tokens": trained_tokens,
+        # In trained-token units: generated tokens at their relative cost, plus trained tokens.
+        "compute": tokens_used * cfg.gen_cost_per_token + trained_tokens,
         # Rollouts trained on per rollout generated: 1 on-policy; the average reuse of a replay arm.
         "uses_per_rollout": trained_rollouts / max(next_gid * arm.group_size, 1),
     }
@@ -363,6 +381,9 @@ def summarize(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig) ->
             "wall_s": _mean_spread([r["wall_s"] for r in runs]),
             "generated_tokens": _mean_spread([r["generated_tokens"] for r in runs]),
             "trained_rollouts": _mean_spread([r["trained_rollouts"] for r in runs]),
+            "trained_tokens": _mean_spread([r["trained_tokens"] for r in runs]),
+            "compute": _mean_spread([r["compute"] for r in runs]),
+            "compute_to_target": _mean_spread([compute_to_target(r, cfg) for r in runs]),
             "uses_per_rollout": _mean_spread([r["uses_per_rollout"] for r in runs]),
         }
         if name != base:
@@ -381,6 +402,12 @@ def summarize(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig) ->
     return out
 
 
+def compute_to_target(run: dict[str, Any], cfg: DemoConfig) -> float | None:
+    """Total compute (trained-token units) spent when the run first reached the target accuracy;
+    None if it never did."""
+    return next((c for c, a in run["compute_curve"] if a >= cfg.target_acc), None)
+
+
 def _fmt(stat: dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
     if stat["mean"] is None:
         return "not reached"
@@ -394,8 +421,9 @@ def _fmt(stat: dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = 
 
 def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
     """The printed results table (one row per arm; ± is the std over seeds)."""
-    rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", "final acc", "entropy", "wall", "uses/rollout",
-             "age mean/max", "evicted stale/reuse", "tier hits hot/cold"]]
+    rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", f"compute to {cfg.target_acc:.0%}", "final acc",
+             "trained tok", "entropy", "wall", "uses/rollout", "age mean/max", "evicted stale/reuse",
+             "tier hits hot/cold"]]
     for name, e in summary.items():
         b = e.get("buffer", {})
         saving = _fmt(e["token_saving"], 0.01, 0, "%") if "token_saving" in e else "-"
@@ -403,7 +431,9 @@ def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
             name,
             _fmt(e["tokens_to_target"], 1e3, 0, "K"),
             saving,
+            _fmt(e["compute_to_target"], 1e3, 0, "K"),
             _fmt(e["final_acc"]),
+            _fmt(e["trained_tokens"], 1e3, 0, "K"),
             _fmt(e["entropy"], digits=3),
             _fmt(e["wall_s"], digits=0, unit="s"),
             _fmt(e["uses_per_rollout"], digits=2),
@@ -417,30 +447,39 @@ def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig, path: Path) -> None:
-    """Accuracy versus generated tokens per arm (mean over seeds, shaded min-max) to a PNG."""
+def plot(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig, path: Path, x: str = "tokens") -> None:
+    """Accuracy versus generated tokens (`x="tokens"`) or total compute (`x="compute"`) per arm
+    (mean over seeds, shaded min-max) to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    grid = np.arange(0, cfg.budget_tokens + 1, cfg.eval_every_tokens, dtype=np.float64)
+    key = "curve" if x == "tokens" else "compute_curve"
+    end = max(results[s][arm.name][key][-1][0] for s in results for arm in cfg.arms)
+    grid = np.linspace(0, end, 61)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for arm in cfg.arms:
         ys = []
         for s in results:
-            curve = np.asarray(results[s][arm.name]["curve"], dtype=np.float64)
-            ys.append(np.interp(grid, curve[:, 0], curve[:, 1]))
+            curve = np.asarray(results[s][arm.name][key], dtype=np.float64)
+            ys.append(np.interp(grid, curve[:, 0], curve[:, 1], right=np.nan))
         y = np.stack(ys)
-        (line,) = ax.plot(grid / 1e3, y.mean(axis=0), label=arm.name, lw=2)
+        with warnings.catch_warnings():
+            # Past the end of every seed's curve there is no value: NaN, not drawn.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean, low, high = np.nanmean(y, axis=0), np.nanmin(y, axis=0), np.nanmax(y, axis=0)
+        (line,) = ax.plot(grid / 1e3, mean, label=arm.name, lw=2)
         if len(ys) > 1:
-            ax.fill_between(grid / 1e3, y.min(axis=0), y.max(axis=0), color=line.get_color(), alpha=0.2)
+            ax.fill_between(grid / 1e3, low, high, color=line.get_color(), alpha=0.2)
     ax.axhline(cfg.target_acc, color="grey", ls="--", lw=1, label=f"target {cfg.target_acc:.0%}")
-    ax.set_xlabel("generated tokens (thousands)")
+    ax.set_xlabel("generated tokens (thousands)" if x == "tokens" else
+                  f"total compute (thousands of trained-token units; a generated token = {cfg.gen_cost_per_token:.2f})")
     ax.set_ylabel("exact-match accuracy (greedy, held-out)")
     n = len(results)
-    ax.set_title(f"GRPO on digit sorting: on-policy vs torchreplay ({n} seed{'s' if n > 1 else ''})")
+    what = "digit sorting" if cfg.task == "sort" else f"reasoning-gym arithmetic ({cfg.num_terms} terms)"
+    ax.set_title(f"GRPO on {what}: on-policy vs torchreplay ({n} seed{'s' if n > 1 else ''})")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -457,6 +496,7 @@ def run(
     resume: bool = False,
     s3: str | None = None,
     endpoint_url: str | None = None,
+    gen_cost_per_token: float | None = None,
 ) -> int:
     """Run the demo and write ``results.json``, ``accuracy_vs_tokens.png`` and ``table.txt`` under ``out``.
 
@@ -469,6 +509,8 @@ def run(
             interrupted one continues from its last checkpoint.
         s3: checkpoint to ``s3://bucket/prefix`` instead of ``file://<out>/checkpoints``.
         endpoint_url: S3 endpoint (else AWS_ENDPOINT_URL / the AWS configuration).
+        gen_cost_per_token: a generated token's cost relative to a trained one, for the compute
+            columns (default: DemoConfig's FLOP ratio, 1/3).
 
     Returns:
         0 (a process exit code).
@@ -480,6 +522,11 @@ def run(
     from tqdm.auto import tqdm
 
     cfg = default_config(full=full, quick=quick)
+    if gen_cost_per_token is not None:
+        if not (isinstance(gen_cost_per_token, (int, float)) and math.isfinite(gen_cost_per_token)
+                and gen_cost_per_token >= 0):
+            raise ValueError(f"--gen-cost must be a number >= 0, got {gen_cost_per_token!r}")
+        cfg.gen_cost_per_token = float(gen_cost_per_token)
     seeds = [seed, seed + 1, seed + 2] if full else [seed]
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -530,6 +577,7 @@ def run(
     print("\n" + header + "\n" + table + f"\n\ntotal wall time {total:.0f}s; outputs in {out_dir}/")
     (out_dir / "table.txt").write_text(header + "\n" + table + "\n")
     plot(results, cfg, out_dir / "accuracy_vs_tokens.png")
+    plot(results, cfg, out_dir / "accuracy_vs_compute.png", x="compute")
     payload = {
         "config": asdict(cfg),
         "mode": "quick" if quick else ("full" if full else "default"),
