@@ -37,8 +37,13 @@ class ArmConfig:
         prompts_per_step: fresh prompts generated per optimizer step.
         group_size: completions per prompt (the GRPO group).
         replay_ratio: fraction of each training batch drawn from the buffer (``buf.compose``).
-        sampler: ``"prioritized"`` (|advantage|) or ``"uniform"``.
+        sampler: ``"prioritized"`` (|advantage|), ``"freshness"`` (|advantage| decayed by age,
+            time constant ``tau`` versions) or ``"uniform"``.
         alpha, beta: prioritization exponent and IS-correction exponent of the prioritized sampler.
+        beta_anneal: raise beta linearly to 1 over the generation budget (PER's schedule).
+        weight_norm: the IS weights' normalization (``PrioritizedSampler(weight_norm=...)``).
+        keep_zero_advantage: give zero-advantage rollouts priority eps instead of 0.
+        tau: FreshnessSampler's time constant.
         max_staleness: policy versions a rollout may lag before eviction.
         max_reuse: times a rollout may be sampled before eviction.
         capacity: buffer slots, in rollouts.
@@ -52,6 +57,10 @@ class ArmConfig:
     sampler: str = "prioritized"
     alpha: float = 1.0
     beta: float = 0.4
+    beta_anneal: bool = False
+    weight_norm: str = "batch_max"
+    keep_zero_advantage: bool = False
+    tau: float = 4.0
     max_staleness: int | None = 4
     max_reuse: int | None = 4
     capacity: int = 4096
@@ -135,10 +144,16 @@ def make_task(cfg: DemoConfig) -> Any:
     raise ValueError(f"task must be 'sort' or 'arithmetic', got {cfg.task!r}")
 
 
-def _make_sampler(arm: ArmConfig) -> Any:
+def make_sampler(arm: ArmConfig) -> Any:
     if arm.sampler == "uniform":
         return tr.UniformSampler()
-    return tr.PrioritizedSampler(alpha=arm.alpha, beta=arm.beta, eps=1e-3)
+    common = dict(alpha=arm.alpha, beta=arm.beta, eps=1e-3, weight_norm=arm.weight_norm,
+                  keep_zero_advantage=arm.keep_zero_advantage)
+    if arm.sampler == "freshness":
+        return tr.FreshnessSampler(tau=arm.tau, **common)
+    if arm.sampler == "prioritized":
+        return tr.PrioritizedSampler(**common)
+    raise ValueError(f"arm {arm.name}: sampler must be prioritized, freshness or uniform, got {arm.sampler!r}")
 
 
 @torch.no_grad()
@@ -198,7 +213,7 @@ def train_arm(
     def new_buffer() -> tr.RolloutBuffer:
         return tr.RolloutBuffer(
             capacity=arm.capacity,
-            sampler=_make_sampler(arm),
+            sampler=make_sampler(arm),
             max_staleness=arm.max_staleness,
             max_reuse=arm.max_reuse,
             storage=storage(),
@@ -236,7 +251,7 @@ def train_arm(
         if arm.replay_ratio > 0:
             buf = tr.RolloutBuffer.from_checkpoint(
                 f"{checkpoint_uri}/buffer", endpoint_url=endpoint_url, tag=saved["version"],
-                storage=storage(), checkpoint=True, progress=False, sampler=_make_sampler(arm))
+                storage=storage(), checkpoint=True, progress=False, sampler=make_sampler(arm))
         if progress is not None:
             progress.update(tokens_used)
 
@@ -270,6 +285,8 @@ def train_arm(
             tokens, mask, old_lp = ro.tokens, ro.response_mask, ro.logprobs
             batch_adv, weights = adv, torch.ones_like(adv)
         else:
+            if arm.beta_anneal and arm.sampler != "uniform":
+                buf.sampler.beta = arm.beta + (1.0 - arm.beta) * min(tokens_used / cfg.budget_tokens, 1.0)
             fresh = _fresh_dict(ro, reward, adv, gid, version, task.prompt_len)
             batch = buf.compose(fresh, replay_ratio=arm.replay_ratio, generator=replay_gen)
             tokens, mask, old_lp = batch.tokens, batch.response_mask, batch.logprobs
