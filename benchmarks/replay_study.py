@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from torchreplay.demo import runner
+from torchreplay.demo import report, runner
 from torchreplay.demo.runner import ArmConfig, DemoConfig
 
 # Learning rate x (fresh prompts per step, group size): the same tuning budget for every arm.
@@ -129,7 +129,7 @@ def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out:
                   f"{time.perf_counter() - start:.0f}s", flush=True)
 
 
-def report(task: str, out: Path, report_dir: Path) -> None:
+def write_report(task: str, out: Path, report_dir: Path) -> None:
     records = [r for r in load(out) if r["task"] == task]
     report_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# Replay study: {task}", ""]
@@ -144,7 +144,7 @@ def report(task: str, out: Path, report_dir: Path) -> None:
             res = rec["result"]
             lines.append(f"| {name} | {arm.lr:g} | {arm.prompts_per_step}x{arm.group_size} | "
                          f"{res['tokens_to_target']} | {res['final_acc']:.3f} | "
-                         f"{runner.compute_to_target(res, cfg)} | {res['wall_s']:.0f} |")
+                         f"{report.compute_to_target(res, cfg)} | {res['wall_s']:.0f} |")
     final = [r for r in records if r["phase"] == "final"]
     if final:
         cfg = DemoConfig(**{**final[0]["config"], "arms": []})
@@ -155,11 +155,11 @@ def report(task: str, out: Path, report_dir: Path) -> None:
             results.setdefault(r["seed"], {})[r["arm"]["name"]] = r["result"]
         complete = {s: v for s, v in results.items() if set(v) == set(names)}
         if complete:
-            summary = runner.summarize(complete, cfg)
+            summary = report.summarize(complete, cfg)
             lines += ["", f"## Final comparison ({len(complete)} seeds)", "", "```",
-                      runner.format_table(summary, cfg), "```"]
-            runner.plot(complete, cfg, report_dir / f"{task}_accuracy_vs_tokens.png")
-            runner.plot(complete, cfg, report_dir / f"{task}_accuracy_vs_compute.png", x="compute")
+                      report.format_table(summary, cfg), "```"]
+            report.plot(complete, cfg, report_dir / f"{task}_accuracy_vs_tokens.png")
+            report.plot(complete, cfg, report_dir / f"{task}_accuracy_vs_compute.png", x="compute")
             (report_dir / f"{task}_summary.json").write_text(json.dumps(summary, indent=2))
     (report_dir / f"{task}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.phase == "report":
-        report(args.task, args.out, args.report_dir)
+        write_report(args.task, args.out, args.report_dir)
         return 0
     if args.phase == "tune":
         arms = [a for a in study_arms() if args.arms is None or a.name in args.arms.split(",")]

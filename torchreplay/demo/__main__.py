@@ -22,8 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-cost", type=float, default=None, metavar="R",
                         help="a generated token's cost relative to a trained token (forward + backward) in the "
                              "compute columns; default 1/3, the FLOP ratio 2N/6N (Kaplan et al. 2020)")
+    parser.add_argument("--task", choices=("sort", "arithmetic"), default="sort",
+                        help="without --full: the digit-sort task (partial credit) or reasoning-gym arithmetic "
+                             "(0/1 reward); --full runs both")
     args = parser.parse_args(argv)
-    return run(out=args.out, seed=args.seed, full=args.full, quick=args.quick, resume=args.resume, s3=args.s3,
+    return run(task=args.task, out=args.out, seed=args.seed, full=args.full, quick=args.quick, resume=args.resume, s3=args.s3,
                endpoint_url=args.endpoint_url, gen_cost_per_token=args.gen_cost)
 
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 import torchreplay as tr
+from torchreplay.demo import report
 from torchreplay.demo.grpo import group_advantages, grpo_loss
 from torchreplay.demo.policy import TinyCausalLM, generate, sft_warm_start
 from torchreplay.demo.state import TrainerCheckpoint, load_optimizer_state, optimizer_state
@@ -112,18 +112,36 @@ class DemoConfig:
 
 # Each arm at its best from the sweep in docs/demo_findings.md (seed 0, 300K tokens, lr x batch x group x ratio).
 ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=8)
-REPLAY = ArmConfig(name="replay", lr=3e-4, prompts_per_step=4, group_size=8, replay_ratio=0.75, max_staleness=8,
+REPLAY = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=4, group_size=8, replay_ratio=0.75, max_staleness=8,
                    max_reuse=8)
 UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_size=8, replay_ratio=0.75,
                     sampler="uniform", max_staleness=8, max_reuse=8)
 
 
-def default_config(full: bool = False, quick: bool = False) -> DemoConfig:
-    """The demo's embedded defaults: 2 arms (3 with ``full``), or a few steps with ``quick``."""
-    arms = [copy.deepcopy(ON_POLICY), copy.deepcopy(REPLAY)]
-    if full:
-        arms.append(copy.deepcopy(UNIFORM))
-    cfg = DemoConfig(arms=arms)
+# The sparse task (reasoning-gym arithmetic, 0/1 reward), each arm at its best from the replay study's
+# tuning grid (benchmarks/replay_study.py; docs/demo_findings.md).
+ARITH_ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=16)
+ARITH_PRIOR = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=4, group_size=16, replay_ratio=0.5, alpha=0.6,
+                        max_staleness=4, max_reuse=4)
+ARITH_UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_size=16, replay_ratio=0.5,
+                          sampler="uniform", max_staleness=4, max_reuse=4)
+
+
+def default_config(full: bool = False, quick: bool = False, task: str = "sort") -> DemoConfig:
+    """The demo's embedded defaults for `task`: 2 arms (3 with ``full``), or a few steps with ``quick``."""
+    if task == "arithmetic":
+        arms = [copy.deepcopy(ARITH_ON_POLICY), copy.deepcopy(ARITH_PRIOR)]
+        if full:
+            arms.append(copy.deepcopy(ARITH_UNIFORM))
+        cfg = DemoConfig(task="arithmetic", num_terms=2, reward="exact", budget_tokens=200_000, target_acc=0.5,
+                         sft_steps=150, arms=arms)
+    elif task == "sort":
+        arms = [copy.deepcopy(ON_POLICY), copy.deepcopy(REPLAY)]
+        if full:
+            arms.append(copy.deepcopy(UNIFORM))
+        cfg = DemoConfig(arms=arms)
+    else:
+        raise ValueError(f"task must be 'sort' or 'arithmetic', got {task!r}")
     if quick:
         cfg.budget_tokens = 4_000
         cfg.eval_every_tokens = 1_000
@@ -363,148 +381,6 @@ def eval_set(cfg: DemoConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return make_task(cfg).prompts(cfg.eval_prompts, torch.Generator().manual_seed(10_000 + seed))
 
 
-_BUFFER_HIGHLIGHTS = (
-    "reuse_mean", "age_mean", "age_max", "ess_fraction", "evicted_staleness", "evicted_reuse", "evicted_capacity",
-    "sampled_fresh", "sampled_replay", "stale_handle_updates", "size", "storage_hot_hits", "storage_cold_reads",
-    "storage_spilled_shards",
-)
-
-
-def _mean_spread(values: list[float | None]) -> dict[str, Any]:
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"mean": None, "min": None, "max": None, "std": None, "n": 0, "of": len(values)}
-    t = torch.tensor(got, dtype=torch.float64)
-    std = float(t.std()) if len(got) > 1 else 0.0
-    return {"mean": float(t.mean()), "min": float(t.min()), "max": float(t.max()), "std": std, "n": len(got),
-            "of": len(values)}
-
-
-def summarize(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig) -> dict[str, Any]:
-    """Per-arm mean and spread over seeds, and the replay arms' token saving versus on-policy.
-
-    ``token_saving`` is ``1 - tokens_to_target(arm) / tokens_to_target(on-policy)`` per seed (a fraction;
-    0.5 means half the generated tokens), defined only where both reached the target.
-    """
-    names = [a.name for a in cfg.arms]
-    base = names[0]
-    out: dict[str, Any] = {}
-    for name in names:
-        runs = [results[s][name] for s in results]
-        entry: dict[str, Any] = {
-            "tokens_to_target": _mean_spread([r["tokens_to_target"] for r in runs]),
-            "final_acc": _mean_spread([r["final_acc"] for r in runs]),
-            "entropy": _mean_spread([r["entropy"] for r in runs]),
-            "wall_s": _mean_spread([r["wall_s"] for r in runs]),
-            "generated_tokens": _mean_spread([r["generated_tokens"] for r in runs]),
-            "trained_rollouts": _mean_spread([r["trained_rollouts"] for r in runs]),
-            "trained_tokens": _mean_spread([r["trained_tokens"] for r in runs]),
-            "compute": _mean_spread([r["compute"] for r in runs]),
-            "compute_to_target": _mean_spread([compute_to_target(r, cfg) for r in runs]),
-            "uses_per_rollout": _mean_spread([r["uses_per_rollout"] for r in runs]),
-        }
-        if name != base:
-            savings = []
-            for s in results:
-                mine, theirs = results[s][name]["tokens_to_target"], results[s][base]["tokens_to_target"]
-                savings.append(None if mine is None or theirs is None else 1.0 - mine / theirs)
-            entry["token_saving"] = _mean_spread(savings)
-        if "buffer_metrics" in runs[0]:
-            entry["buffer"] = {
-                k: _mean_spread([r["buffer_metrics"].get(k) for r in runs])["mean"]
-                for k in _BUFFER_HIGHLIGHTS
-                if k in runs[0]["buffer_metrics"]
-            }
-        out[name] = entry
-    return out
-
-
-def compute_to_target(run: dict[str, Any], cfg: DemoConfig) -> float | None:
-    """Total compute (trained-token units) spent when the run first reached the target accuracy;
-    None if it never did."""
-    return next((c for c, a in run["compute_curve"] if a >= cfg.target_acc), None)
-
-
-def _fmt(stat: dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
-    if stat["mean"] is None:
-        return "not reached"
-    text = f"{stat['mean'] / scale:.{digits}f}{unit}"
-    if stat["of"] > 1:
-        text += f" ±{stat['std'] / scale:.{digits}f}"
-        if stat["n"] < stat["of"]:
-            text += f" ({stat['n']}/{stat['of']} reached)"
-    return text
-
-
-def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
-    """The printed results table (one row per arm; ± is the std over seeds)."""
-    rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", f"compute to {cfg.target_acc:.0%}", "final acc",
-             "trained tok", "entropy", "wall", "uses/rollout", "age mean/max", "evicted stale/reuse",
-             "tier hits hot/cold"]]
-    for name, e in summary.items():
-        b = e.get("buffer", {})
-        saving = _fmt(e["token_saving"], 0.01, 0, "%") if "token_saving" in e else "-"
-        rows.append([
-            name,
-            _fmt(e["tokens_to_target"], 1e3, 0, "K"),
-            saving,
-            _fmt(e["compute_to_target"], 1e3, 0, "K"),
-            _fmt(e["final_acc"]),
-            _fmt(e["trained_tokens"], 1e3, 0, "K"),
-            _fmt(e["entropy"], digits=3),
-            _fmt(e["wall_s"], digits=0, unit="s"),
-            _fmt(e["uses_per_rollout"], digits=2),
-            f"{b['age_mean']:.1f}/{b['age_max']:.0f}" if "age_mean" in b else "-",
-            f"{b['evicted_staleness']:.0f}/{b['evicted_reuse']:.0f}" if "evicted_staleness" in b else "-",
-            f"{b['storage_hot_hits']:.0f}/{b['storage_cold_reads']:.0f}" if "storage_hot_hits" in b else "-",
-        ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def plot(results: dict[int, dict[str, dict[str, Any]]], cfg: DemoConfig, path: Path, x: str = "tokens") -> None:
-    """Accuracy versus generated tokens (`x="tokens"`) or total compute (`x="compute"`) per arm
-    (mean over seeds, shaded min-max) to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    key = "curve" if x == "tokens" else "compute_curve"
-    end = max(results[s][arm.name][key][-1][0] for s in results for arm in cfg.arms)
-    grid = np.linspace(0, end, 61)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for arm in cfg.arms:
-        ys = []
-        for s in results:
-            curve = np.asarray(results[s][arm.name][key], dtype=np.float64)
-            ys.append(np.interp(grid, curve[:, 0], curve[:, 1], right=np.nan))
-        y = np.stack(ys)
-        with warnings.catch_warnings():
-            # Past the end of every seed's curve there is no value: NaN, not drawn.
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean, low, high = np.nanmean(y, axis=0), np.nanmin(y, axis=0), np.nanmax(y, axis=0)
-        (line,) = ax.plot(grid / 1e3, mean, label=arm.name, lw=2)
-        if len(ys) > 1:
-            ax.fill_between(grid / 1e3, low, high, color=line.get_color(), alpha=0.2)
-    ax.axhline(cfg.target_acc, color="grey", ls="--", lw=1, label=f"target {cfg.target_acc:.0%}")
-    ax.set_xlabel("generated tokens (thousands)" if x == "tokens" else
-                  f"total compute (thousands of trained-token units; a generated token = {cfg.gen_cost_per_token:.2f})")
-    ax.set_ylabel("exact-match accuracy (greedy, held-out)")
-    n = len(results)
-    what = "digit sorting" if cfg.task == "sort" else f"reasoning-gym arithmetic ({cfg.num_terms} terms)"
-    ax.set_title(f"GRPO on {what}: on-policy vs torchreplay ({n} seed{'s' if n > 1 else ''})")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def run(
     out: str | os.PathLike[str] = "demo_output",
     seed: int = 0,
@@ -514,13 +390,17 @@ def run(
     s3: str | None = None,
     endpoint_url: str | None = None,
     gen_cost_per_token: float | None = None,
+    task: str = "sort",
 ) -> int:
-    """Run the demo and write ``results.json``, ``accuracy_vs_tokens.png`` and ``table.txt`` under ``out``.
+    """Run the demo and write ``results.json``, ``accuracy_vs_tokens.png``,
+    ``accuracy_vs_compute.png`` and ``table.txt`` under ``out``.
 
     Args:
         out: output directory (created).
         seed: base seed; ``full`` uses ``seed, seed + 1, seed + 2``.
-        full: 3 seeds and a third arm with uniform FIFO replay.
+        full: 3 seeds and a third arm with uniform FIFO replay, on both tasks: the sort task's
+            outputs in ``out``, the arithmetic task's in ``out/arithmetic``.
+        task: ``"sort"`` or ``"arithmetic"`` (without ``full``).
         quick: a few steps only, for tests (well under a minute).
         resume: continue a killed demo: finished arms are read back from ``out/progress.json``, the
             interrupted one continues from its last checkpoint.
@@ -536,14 +416,24 @@ def run(
         raise ValueError("--endpoint-url only applies with --s3")
     if s3 is not None and not s3.startswith("s3://"):
         raise ValueError(f"--s3 must be an s3://bucket/prefix URI, got {s3!r}")
+    if gen_cost_per_token is not None and not (isinstance(gen_cost_per_token, (int, float))
+                                               and math.isfinite(gen_cost_per_token) and gen_cost_per_token >= 0):
+        raise ValueError(f"--gen-cost must be a number >= 0, got {gen_cost_per_token!r}")
+    tasks = ["sort", "arithmetic"] if full else [task]
+    for name in tasks:
+        cfg = default_config(full=full, quick=quick, task=name)
+        if gen_cost_per_token is not None:
+            cfg.gen_cost_per_token = float(gen_cost_per_token)
+        where = Path(out) / name if (full and name != "sort") else Path(out)
+        prefix = s3 if (s3 is None or name == "sort") else f"{s3.rstrip('/')}/{name}"
+        _run_task(cfg, where, seed, full, quick, resume, prefix, endpoint_url)
+    return 0
+
+
+def _run_task(cfg: DemoConfig, out: Path, seed: int, full: bool, quick: bool, resume: bool, s3: str | None,
+              endpoint_url: str | None) -> None:
     from tqdm.auto import tqdm
 
-    cfg = default_config(full=full, quick=quick)
-    if gen_cost_per_token is not None:
-        if not (isinstance(gen_cost_per_token, (int, float)) and math.isfinite(gen_cost_per_token)
-                and gen_cost_per_token >= 0):
-            raise ValueError(f"--gen-cost must be a number >= 0, got {gen_cost_per_token!r}")
-        cfg.gen_cost_per_token = float(gen_cost_per_token)
     seeds = [seed, seed + 1, seed + 2] if full else [seed]
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -584,17 +474,20 @@ def run(
             warm[s] = {"sft_seconds": sft_s, "start_acc": results[s][cfg.arms[0].name]["curve"][0][1]}
     finally:
         torch.set_num_threads(old_threads)
-    summary = summarize(results, cfg)
-    table = format_table(summary, cfg)
+    summary = report.summarize(results, cfg)
+    table = report.format_table(summary, cfg)
     total = time.perf_counter() - t0
+    what = (f"sort {cfg.num_digits} digits" if cfg.task == "sort"
+            else f"reasoning-gym arithmetic, {cfg.num_terms} terms, 0/1 reward")
     header = (
-        f"torchreplay demo: GRPO, sort {cfg.num_digits} digits, {cfg.budget_tokens:,} generated tokens per arm, "
-        f"seeds {seeds}, target {cfg.target_acc:.0%} exact match"
+        f"torchreplay demo: GRPO, {what}, {cfg.budget_tokens:,} generated tokens per arm, "
+        f"seeds {seeds}, target {cfg.target_acc:.0%} exact match, a generated token costs "
+        f"{cfg.gen_cost_per_token:.2f} trained tokens"
     )
     print("\n" + header + "\n" + table + f"\n\ntotal wall time {total:.0f}s; outputs in {out_dir}/")
     (out_dir / "table.txt").write_text(header + "\n" + table + "\n")
-    plot(results, cfg, out_dir / "accuracy_vs_tokens.png")
-    plot(results, cfg, out_dir / "accuracy_vs_compute.png", x="compute")
+    report.plot(results, cfg, out_dir / "accuracy_vs_tokens.png")
+    report.plot(results, cfg, out_dir / "accuracy_vs_compute.png", x="compute")
     payload = {
         "config": asdict(cfg),
         "mode": "quick" if quick else ("full" if full else "default"),
@@ -606,4 +499,3 @@ def run(
         "runs": {str(s): r for s, r in results.items()},
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2))
-    return 0
