@@ -107,9 +107,13 @@ def best_settings(records: list[dict[str, Any]], task: str) -> dict[str, ArmConf
     return {name: ArmConfig(**rec["arm"]) for name, rec in best.items()}
 
 
-def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out: Path, budget: int | None) -> None:
+def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out: Path, budget: int | None,
+            append_to: Path | None = None) -> None:
+    """Run what `out` (and `append_to`) do not hold yet, appending each record to `append_to`
+    (default `out`): two processes can share the work, each appending to its own file."""
     cfg = task_config(task, budget)
-    done = {rec["key"] for rec in load(out)}
+    append_to = append_to or out
+    done = {rec["key"] for rec in load(out) + (load(append_to) if append_to != out else [])}
     torch.set_num_threads(cfg.threads)
     for seed in seeds:
         init, _ = runner.warm_start(cfg, seed)
@@ -123,7 +127,7 @@ def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out:
             record = {"key": key, "task": task, "phase": phase, "seed": seed, "arm": dataclasses.asdict(arm),
                       "config": dataclasses.asdict(dataclasses.replace(cfg, arms=[])), "result": result,
                       "unix_s": time.time()}
-            with out.open("a") as f:
+            with append_to.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{key}: final acc {result['final_acc']:.3f}, tokens to target {result['tokens_to_target']}, "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
@@ -172,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/replay_study.jsonl"))
     parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/results/replay_study"))
     parser.add_argument("--budget", type=int, default=None, help="generated tokens per run (default: the task's)")
-    parser.add_argument("--seeds", type=int, default=5, help="seeds of the final comparison")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds of the final comparison: first-seed .. seeds-1")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--append-to", type=Path, default=None,
+                        help="append new records here instead of --out (to split a phase over processes)")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         arms = [a for a in study_arms() if args.arms is None or a.name in args.arms.split(",")]
         grid = [dataclasses.replace(a, lr=lr, prompts_per_step=p, group_size=g) for a in arms
                 for lr, p, g in TUNING_GRID]
-        execute(args.task, "tune", grid, [0], args.out, args.budget)
+        execute(args.task, "tune", grid, [0], args.out, args.budget, args.append_to)
         return 0
     best = best_settings(load(args.out), args.task)
     priors = [n for n in best if n.startswith("prior")]
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         (r for r in load(args.out) if r["task"] == args.task and r["phase"] == "tune" and r["arm"]["name"] == n),
         key=score)))
     chosen = [best[n] for n in ("on-policy", "uniform-replay", best_prior, "freshness") if n in best]
-    execute(args.task, "final", [copy.deepcopy(a) for a in chosen], list(range(args.seeds)), args.out, args.budget)
+    execute(args.task, "final", [copy.deepcopy(a) for a in chosen], list(range(args.first_seed, args.seeds)),
+            args.out, args.budget, args.append_to)
     return 0
 
 
