@@ -133,6 +133,10 @@ def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out:
                   f"{time.perf_counter() - start:.0f}s", flush=True)
 
 
+def _thousands(value: float | None) -> str:
+    return "not reached" if value is None else f"{value / 1e3:.0f}K"
+
+
 def write_report(task: str, out: Path, report_dir: Path) -> None:
     records = [r for r in load(out) if r["task"] == task]
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -140,15 +144,16 @@ def write_report(task: str, out: Path, report_dir: Path) -> None:
     tuned = [r for r in records if r["phase"] == "tune"]
     if tuned:
         lines += ["## Tuning (seed 0): best setting per arm", "",
-                  "| arm | lr | prompts x group | tokens to target | final acc | compute to target | wall s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| arm | lr | prompts x group | tokens to target | final acc | compute to target | trained tokens "
+                  "| wall s |", "|---|---|---|---|---|---|---|---|"]
         cfg = DemoConfig(**{**tuned[0]["config"], "arms": []})
         for name, arm in best_settings(records, task).items():
             rec = min((r for r in tuned if r["arm"]["name"] == name), key=score)
             res = rec["result"]
+            compute = report.compute_to_target(res, cfg)
             lines.append(f"| {name} | {arm.lr:g} | {arm.prompts_per_step}x{arm.group_size} | "
-                         f"{res['tokens_to_target']} | {res['final_acc']:.3f} | "
-                         f"{report.compute_to_target(res, cfg)} | {res['wall_s']:.0f} |")
+                         f"{_thousands(res['tokens_to_target'])} | {res['final_acc']:.3f} | {_thousands(compute)} | "
+                         f"{_thousands(res['trained_tokens'])} | {res['wall_s']:.0f} |")
     final = [r for r in records if r["phase"] == "final"]
     if final:
         cfg = DemoConfig(**{**final[0]["config"], "arms": []})

@@ -120,10 +120,10 @@ UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_si
 
 # The sparse task (reasoning-gym arithmetic, 0/1 reward), each arm at its best from the replay study's
 # tuning grid (benchmarks/replay_study.py; docs/demo_findings.md).
-ARITH_ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=16)
-ARITH_PRIOR = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=4, group_size=16, replay_ratio=0.5, alpha=0.6,
+ARITH_ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=8)
+ARITH_PRIOR = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5, alpha=0.6,
                         max_staleness=4, max_reuse=4)
-ARITH_UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_size=16, replay_ratio=0.5,
+ARITH_UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5,
                           sampler="uniform", max_staleness=4, max_reuse=4)
 
 
