@@ -6,35 +6,14 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import zlib
 
 import pytest
 from test_hostile_checkpoints import checkpoint_dir
+from test_hostile_shards import CHILD
 
 from torchreplay import boundedjson
 from torchreplay.storage import format as fmt
-
-CHILD = textwrap.dedent("""
-    import json, sys, time
-    import torchreplay as tr
-
-    def peak_kib():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
-    mode, uri, spill = sys.argv[1:4]
-    storage = tr.TieredStorage(hot_bytes=0, spill_dir=spill, io="posix") if mode == "lazy" else None
-    before, start = peak_kib(), time.monotonic()
-    try:
-        tr.RolloutBuffer.from_checkpoint(uri, progress=False, lazy=mode == "lazy", storage=storage)
-        outcome = "restored"
-    except Exception as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"outcome": outcome[:300], "grown_mib": (peak_kib() - before) / 1024,
-                      "seconds": time.monotonic() - start}))
-""")
-
 
 def reject(tmp_path, root, mode="eager"):
     done = subprocess.run([sys.executable, "-c", CHILD, mode, f"file://{root}", str(tmp_path / "spill")],
