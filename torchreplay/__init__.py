@@ -4,6 +4,7 @@ from torchreplay.buffer import Handles, PendingBatch, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer
 from torchreplay.distributed import DistributedRolloutBuffer
 from torchreplay.errors import CheckpointError, ReplayError, SchemaError, StorageError
+from torchreplay.padded import from_padded
 from torchreplay.samplers import (
     FreshnessSampler,
     GroupSampler,
@@ -28,6 +29,7 @@ __all__ = [
     "ReplayBatch",
     "Handles",
     "FieldSpec",
+    "from_padded",
     "SegmentTree",
     "Sampler",
     "TreeSampler",

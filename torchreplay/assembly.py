@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from torchreplay._ops import ops
+from torchreplay.padded import split_padded
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch
 from torchreplay.slots import TABLE_FIELDS, SlotTable
 from torchreplay.storage import CorruptRows, TieredStorage
@@ -48,6 +49,8 @@ class ReplayBatch:
     age: torch.Tensor
     reuse: torch.Tensor
     is_fresh: torch.Tensor
+    token_fields: tuple[str, ...] = ()  # which `data` entries are per-token (for `split`)
+    pad_token_id: int = 0
 
     def __getattr__(self, name: str) -> torch.Tensor:
         data = self.__dict__.get("data", {})
@@ -57,6 +60,16 @@ class ReplayBatch:
 
     def __len__(self) -> int:
         return self.weights.numel()
+
+    def split(self, prompt_side: str = "left") -> dict[str, torch.Tensor]:
+        """The layout TRL and verl train on: `prompt_ids`/`prompt_mask` [B, Tp] padded on
+        `prompt_side`, `completion_ids`/`completion_mask` [B, Tc] right-padded (int64 masks),
+        every other token field completion-aligned [B, Tc, ...] (`logprobs` included), rollout
+        fields as they are, plus `weights`, `is_fresh`, `age` and `reuse`. A batch made by
+        `from_padded` comes back exactly as it went in, up to the batch's own padding widths."""
+        out = split_padded(self.data, self.token_fields, self.pad_token_id, prompt_side)
+        out.update(weights=self.weights, is_fresh=self.is_fresh, age=self.age, reuse=self.reuse)
+        return out
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
         """Move every tensor. From the CPU to CUDA this goes through pinned memory, non-blocking."""
@@ -76,6 +89,8 @@ class ReplayBatch:
             age=move(self.age),
             reuse=move(self.reuse),
             is_fresh=move(self.is_fresh),
+            token_fields=self.token_fields,
+            pad_token_id=self.pad_token_id,
         )
 
 
@@ -295,6 +310,8 @@ class BatchAssembler:
             age=plan.age,
             reuse=plan.reuse,
             is_fresh=plan.is_fresh,
+            token_fields=tuple(f for f in plan.fields if self.fields[f].kind == TOKEN),
+            pad_token_id=self.pad_token_id,
         )
 
     def _pad_on_device(self, device: torch.device, gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
@@ -369,6 +386,8 @@ def concat(first: ReplayBatch, second: ReplayBatch, assembler: BatchAssembler) -
         age=torch.cat([first.age, second.age]),
         reuse=torch.cat([first.reuse, second.reuse]),
         is_fresh=torch.cat([first.is_fresh, second.is_fresh]),
+        token_fields=first.token_fields or second.token_fields,
+        pad_token_id=assembler.pad_token_id,
     )
 
 

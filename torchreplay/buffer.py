@@ -15,6 +15,7 @@ import torch
 from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
+from torchreplay.padded import from_padded
 from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
 from torchreplay.shards import ShardKeeper, ShardListener
@@ -153,6 +154,14 @@ class RolloutBuffer(Persistence):
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self.shards.tick()
         return self._insert(packed)
+
+    def add_padded(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                   completion_mask: torch.Tensor, logprobs: torch.Tensor, **rollout: Any) -> Handles:
+        """`add` for the padded layout TRL and verl use: left-padded prompts, right-padded
+        completions, int or bool masks, completion-only (or full-width) log-probs; `rollout` holds
+        `advantage`, `group_id`, `policy_version`, optionally `reward`, `prompt_side` and declared
+        extra fields. See `torchreplay.from_padded`, which `compose` callers use directly."""
+        return self.add(from_padded(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, **rollout))
 
     def _insert(self, packed: PackedBatch) -> Handles:
         """Store `packed`: write its shard first (the step that can fail on I/O), then commit it

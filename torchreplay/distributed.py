@@ -854,7 +854,8 @@ class DistributedRolloutBuffer:
         handles = DistributedHandles(got["slot"][restore], got["generation"][restore], owner_sorted[restore].clone())
         return ReplayBatch(data=data, handles=handles, weights=weights,
                            age=got["age"][restore], reuse=got["reuse"][restore],
-                           is_fresh=torch.zeros(n, dtype=torch.bool))
+                           is_fresh=torch.zeros(n, dtype=torch.bool),
+                           token_fields=tuple(self._token_fields()), pad_token_id=buf.pad_token_id)
 
     # ------------------------------------------------------------------------------ priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:

@@ -62,7 +62,8 @@ def default_fields(
         "response_mask": FieldSpec("response_mask", TOKEN, torch.bool, accept="bool"),
         "logprobs": FieldSpec("logprobs", TOKEN, torch.float32),
         "prompt_len": FieldSpec("prompt_len", ROLLOUT, torch.int64, accept="int"),
-        "reward": FieldSpec("reward", ROLLOUT, torch.float32),
+        # Optional: trainers such as TRL hand over advantages only. A missing reward is stored as NaN.
+        "reward": FieldSpec("reward", ROLLOUT, torch.float32, required=False),
         "advantage": FieldSpec("advantage", ROLLOUT, torch.float32),
         "group_id": FieldSpec("group_id", ROLLOUT, torch.int64, accept="int"),
         "policy_version": FieldSpec("policy_version", ROLLOUT, torch.int64, accept="int"),
@@ -259,6 +260,8 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
         raise SchemaError(f"field 'tokens', rollout {_first_bad(lengths == 0)}: empty rollout")
 
     for name in ("advantage", "reward"):
+        if name not in rollout:
+            continue
         bad = ~torch.isfinite(rollout[name])
         if bool(bad.any()):
             i = _first_bad(bad)
@@ -278,6 +281,8 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
                 row = _first_bad(flat)
                 i = int(torch.searchsorted(offsets, torch.tensor(row), right=True)) - 1
                 raise SchemaError(f"field {name!r}, rollout {i}: contains NaN/inf")
+    if "reward" not in rollout:
+        rollout["reward"] = torch.full((n,), float("nan"), dtype=torch.float32)
     version = rollout["policy_version"]
     if bool((version < 0).any()):
         i = _first_bad(version < 0)

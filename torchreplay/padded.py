@@ -1,0 +1,206 @@
+"""Conversions between the [B, T] padded layout trainers use and the buffer's ragged rollouts.
+
+TRL and verl hold a batch as left-padded prompt ids and right-padded completion ids, each with an
+int (or bool) mask, and keep per-token values (log-probs, advantages) over the completion only.
+`from_padded` turns that into the ragged batch `RolloutBuffer.add`/`compose` take; `split_padded`
+(behind `ReplayBatch.split`) turns a sampled batch back into it, so a rollout that goes in comes
+out with the same tokens, masks and values.
+
+Rules, so that the round trip is exact:
+- a prompt mask must be one run of 1s (after the left padding, or before the right padding); the
+  prompt is the tokens under it;
+- a completion keeps every position up to its mask's last 1; 0s inside that span (e.g. tool
+  output a trainer does not train on) stay in the stored `response_mask`, trailing 0s are padding;
+- a per-token field may be completion-aligned ([B, Tc, ...], 0 is stored over the prompt, as
+  `add` requires for `logprobs`) or span prompt + completion ([B, Tp + Tc, ...]).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+SIDES = ("left", "right")
+# Rollout-level fields `from_padded` fills itself; everything else in **fields passes through.
+_ROLLOUT_ARGS = ("advantage", "group_id", "policy_version", "reward")
+
+
+def _mask(name: str, mask: Any, shape: torch.Size) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"{name}: shape {tuple(mask.shape)} does not match its ids' shape {tuple(shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name}: expected an int or bool mask, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool:
+        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{name}: an int mask must hold only 0 and 1")
+        mask = mask != 0
+    return mask.cpu()
+
+
+def _ids(name: str, ids: Any) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name}: expected a [B, T] tensor, got {type(ids).__name__}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name}: expected a [B, T] tensor, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected integer token ids, got dtype {ids.dtype}")
+    return ids.cpu()
+
+
+def _first_bad(bad: torch.Tensor) -> int:
+    return int(bad.nonzero()[0, 0])
+
+
+def _gather_rows(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """x[i, starts[i] : starts[i] + lengths[i]] for each row, laid end to end."""
+    cols = torch.arange(width)
+    keep = cols.unsqueeze(0) < lengths.unsqueeze(1)
+    index = (starts.unsqueeze(1) + cols.unsqueeze(0)).clamp(max=max(x.shape[1] - 1, 0))
+    rows = torch.arange(x.shape[0]).unsqueeze(1).expand_as(index)
+    return x[rows[keep], index[keep]]
+
+
+def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                completion_mask: torch.Tensor, logprobs: torch.Tensor, *, advantage: Any, group_id: Any,
+                policy_version: Any, reward: Any = None, prompt_side: str = "left",
+                **fields: Any) -> dict[str, Any]:
+    """A ragged rollout batch for `RolloutBuffer.add`/`compose` from a padded one.
+
+    `prompt_ids`/`prompt_mask` [B, Tp] (padded on `prompt_side`), `completion_ids`/
+    `completion_mask` [B, Tc] (right-padded), masks int or bool; `logprobs`: the behaviour
+    log-probs, [B, Tc] or [B, Tp + Tc]. `advantage`, `group_id`, `reward` (optional) are [B];
+    `policy_version` an int or [B]. Other `fields` are declared extra fields: [B, ...] rollout
+    fields pass through, and a [B, Tc, ...] or [B, Tp + Tc, ...] tensor is taken as a token field.
+    Raises ValueError/TypeError naming the argument."""
+    if prompt_side not in SIDES:
+        raise ValueError(f"prompt_side must be 'left' or 'right', got {prompt_side!r}")
+    prompt_ids, completion_ids = _ids("prompt_ids", prompt_ids), _ids("completion_ids", completion_ids)
+    if prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(f"completion_ids: {completion_ids.shape[0]} rows, prompt_ids has {prompt_ids.shape[0]}")
+    prompt_mask = _mask("prompt_mask", prompt_mask, prompt_ids.shape)
+    completion_mask = _mask("completion_mask", completion_mask, completion_ids.shape)
+    n, tp = prompt_ids.shape
+    tc = completion_ids.shape[1]
+
+    prompt_len = prompt_mask.sum(1)
+    # One run of 1s: the run's start (first 1) plus its length must reach the side's edge.
+    first = torch.where(prompt_len > 0, prompt_mask.int().argmax(1), torch.full_like(prompt_len, tp))
+    if prompt_side == "left":
+        contiguous = first + prompt_len == tp
+    else:
+        contiguous = (first == 0) | (prompt_len == 0)
+    if not bool(contiguous.all()):
+        i = _first_bad(~contiguous)
+        raise ValueError(f"prompt_mask, row {i}: must be one run of 1s padded on the {prompt_side}")
+    prompt_start = first if prompt_side == "left" else torch.zeros_like(first)
+    # A completion runs to its mask's last 1; later positions are padding.
+    last = torch.where(completion_mask.any(1), tc - 1 - completion_mask.flip(1).int().argmax(1), -1)
+    completion_len = last + 1
+    lengths = prompt_len + completion_len
+    if bool((lengths == 0).any()):
+        raise ValueError(f"prompt_mask/completion_mask, row {_first_bad(lengths == 0)}: the rollout has no token")
+
+    def ragged(prompt_part: torch.Tensor | None, completion_part: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row i: its prompt positions (or zeros), then its completion positions, packed."""
+        completion_rows = _gather_rows(completion_part, torch.zeros(n, dtype=torch.int64), completion_len, tc)
+        if prompt_part is None:
+            prompt_rows = torch.zeros((int(prompt_len.sum()), *completion_part.shape[2:]), dtype=completion_part.dtype)
+        else:
+            prompt_rows = _gather_rows(prompt_part, prompt_start, prompt_len, tp)
+        # Interleave per row: positions [offset_i, offset_i + plen_i) are prompt, then completion.
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        values = torch.empty((int(offsets[-1]), *completion_part.shape[2:]), dtype=completion_part.dtype)
+        row_of_prompt = torch.repeat_interleave(torch.arange(n), prompt_len)
+        row_of_completion = torch.repeat_interleave(torch.arange(n), completion_len)
+        prompt_pos = offsets[:-1][row_of_prompt] + _within(prompt_len)
+        completion_pos = offsets[:-1][row_of_completion] + prompt_len[row_of_completion] + _within(completion_len)
+        values[prompt_pos] = prompt_rows
+        values[completion_pos] = completion_rows
+        return {"values": values, "offsets": offsets}
+
+    def token_field(name: str, value: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != n:
+            raise ValueError(f"{name}: expected a [B, T, ...] tensor with B = {n}")
+        value = value.detach().cpu()
+        if value.shape[1] == tc:
+            return ragged(None, value)
+        if value.shape[1] == tp + tc:
+            return ragged(value[:, :tp], value[:, tp:])
+        raise ValueError(f"{name}: width {value.shape[1]} is neither the completion's ({tc}) nor prompt + "
+                         f"completion ({tp + tc})")
+
+    if not isinstance(logprobs, torch.Tensor):
+        raise TypeError(f"logprobs: expected a [B, Tc] tensor of behaviour log-probs, got {type(logprobs).__name__}")
+    batch: dict[str, Any] = {
+        "tokens": ragged(prompt_ids, completion_ids),
+        "response_mask": ragged(torch.zeros_like(prompt_mask), completion_mask),
+        "logprobs": token_field("logprobs", logprobs),
+        "prompt_len": prompt_len,
+        "advantage": advantage,
+        "group_id": group_id,
+        "policy_version": policy_version,
+    }
+    if reward is not None:
+        batch["reward"] = reward
+    for name, value in fields.items():
+        if name in batch or name in _ROLLOUT_ARGS:
+            raise ValueError(f"{name}: given twice")
+        is_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in (tc, tp + tc)
+        batch[name] = token_field(name, value) if is_token else value
+    return batch
+
+
+def _within(lengths: torch.Tensor) -> torch.Tensor:
+    """0..len_i-1 for every i, laid end to end."""
+    total = int(lengths.sum())
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(total) - torch.repeat_interleave(starts, lengths)
+
+
+def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...], pad_token_id: int,
+                 prompt_side: str = "left") -> dict[str, torch.Tensor]:
+    """The padded trainer layout of a sampled batch (see `ReplayBatch.split`)."""
+    if prompt_side not in SIDES:
+        raise ValueError(f"prompt_side must be 'left' or 'right', got {prompt_side!r}")
+    valid = data["attention_mask"]
+    n, width = valid.shape
+    lengths = valid.sum(1)
+    # Sampled rows are contiguous: the first valid position is where the rollout starts.
+    starts = torch.where(lengths > 0, valid.int().argmax(1), torch.zeros_like(lengths))
+    prompt_len = data["prompt_len"].to(lengths.device)
+    completion_len = lengths - prompt_len
+    tp = int(prompt_len.max()) if n else 0
+    tc = int(completion_len.max()) if n else 0
+    cols_p, cols_c = torch.arange(tp, device=valid.device), torch.arange(tc, device=valid.device)
+    if prompt_side == "left":
+        prompt_keep = cols_p.unsqueeze(0) >= (tp - prompt_len).unsqueeze(1)
+        prompt_src = starts.unsqueeze(1) + cols_p.unsqueeze(0) - (tp - prompt_len).unsqueeze(1)
+    else:
+        prompt_keep = cols_p.unsqueeze(0) < prompt_len.unsqueeze(1)
+        prompt_src = starts.unsqueeze(1) + cols_p.unsqueeze(0)
+    completion_keep = cols_c.unsqueeze(0) < completion_len.unsqueeze(1)
+    completion_src = (starts + prompt_len).unsqueeze(1) + cols_c.unsqueeze(0)
+
+    def take(x: torch.Tensor, src: torch.Tensor, keep: torch.Tensor, fill: int | float) -> torch.Tensor:
+        index = src.clamp(0, max(width - 1, 0))
+        index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+        out = torch.gather(x, 1, index) if width else x.new_zeros((n, index.shape[1], *x.shape[2:]))
+        return out.masked_fill(~keep.reshape(*keep.shape, *([1] * (x.dim() - 2))), fill)
+
+    out: dict[str, torch.Tensor] = {
+        "prompt_ids": take(data["tokens"], prompt_src, prompt_keep, pad_token_id),
+        "prompt_mask": prompt_keep.long(),
+        "completion_ids": take(data["tokens"], completion_src, completion_keep, pad_token_id),
+        "completion_mask": take(data["response_mask"], completion_src, completion_keep, False).long(),
+    }
+    for name in token_fields:
+        if name not in ("tokens", "response_mask"):
+            out[name] = take(data[name], completion_src, completion_keep, 0)
+    for name, value in data.items():
+        if name not in out and name not in token_fields and name != "attention_mask":
+            out[name] = value
+    return out
