@@ -1,0 +1,127 @@
+"""The real TRL GRPOTrainer with replay (torchreplay.integrations.trl), a few steps on a tiny
+randomly initialised model built locally (examples/trl_grpo_replay.py), on the CPU."""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from trl_grpo_replay import build_trainer  # noqa: E402
+
+
+
+def record_rounds(trainer):
+    """Capture, per generation round, the batch `compose` returned and every loss input built from it."""
+    rounds, losses = [], []
+    buffer_compose = trainer.replay_buffer.compose
+
+    def compose(*args, **kwargs):
+        batch = buffer_compose(*args, **kwargs)
+        rounds.append(batch)
+        return batch
+
+    trainer.replay_buffer.compose = compose
+    compute_loss = trainer._compute_loss
+
+    def recording_loss(model, inputs):
+        losses.append({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = recording_loss
+    return rounds, losses
+
+
+def test_replay_happens_and_is_logged(tmp_path):
+    trainer = build_trainer(str(tmp_path), steps=6, replay_sampler="uniform")
+    trainer.train()
+    m = trainer.replay_buffer.metrics()
+    assert m["sampled_replay"] > 0 and m["reuse_mean"] > 1
+    logged = [h for h in trainer.state.log_history if "replay/sampled_replay" in h]
+    assert len(logged) == 6 and logged[-1]["replay/sampled_replay"] == m["sampled_replay"]
+
+
+def test_replayed_rows_reach_the_loss_with_their_weights(tmp_path):
+    trainer = build_trainer(str(tmp_path), steps=8, replay_sampler="prioritized", replay_alpha=1.0, replay_beta=1.0)
+    rounds, losses = record_rounds(trainer)
+    trainer.train()
+    assert len(rounds) == len(losses) == 8  # steps_per_generation 1: one loss call per round
+    weighted = 0
+    for batch, inputs in zip(rounds, losses):
+        assert inputs["prompt_ids"].shape[0] == len(batch)  # no row dropped
+        expected = (batch.advantage * batch.weights)
+        # TRL shuffles rows: match them by their (is_fresh, weight, advantage) triples.
+        got = sorted(zip(inputs["replay_is_fresh"].tolist(), inputs["replay_weights"].tolist(),
+                         inputs["advantages"].tolist()))
+        want = sorted(zip(batch.is_fresh.tolist(), batch.weights.tolist(), expected.tolist()))
+        assert got == want
+        replayed = ~batch.is_fresh
+        weighted += int((batch.weights[replayed] < 1).sum())
+        # The loss sees the behaviour log-probs stored with each row, not the current policy's.
+        assert inputs["old_per_token_logps"].shape == inputs["completion_ids"].shape
+    assert weighted > 0, "no replayed row had an IS weight below 1: the test would prove nothing"
+
+
+def test_accumulation_steps_per_generation_and_iterations_lose_no_row(tmp_path):
+    trainer = build_trainer(str(tmp_path), steps=4, replay_sampler="uniform", per_device_train_batch_size=4,
+                            gradient_accumulation_steps=2, steps_per_generation=4, num_iterations=2,
+                            loss_type="dapo")
+    rounds, losses = record_rounds(trainer)
+    trainer.train()
+    assert rounds
+    per_round = 4 * 2  # steps_per_generation micro-batches, each seen num_iterations times
+    assert len(losses) == len(rounds) * per_round
+    for i, batch in enumerate(rounds):
+        assert len(batch) % 4 == 0
+        chunk = losses[i * per_round:(i * per_round) + 4]
+        assert sum(x["prompt_ids"].shape[0] for x in chunk) == len(batch)
+        # dapo's normalizer spans the mixed generation batch, fresh and replayed tokens alike.
+        tokens = int(batch.split()["completion_mask"].sum())
+        assert all(int(x["num_items_in_batch"]) == tokens for x in chunk)
+
+
+def test_resume_from_checkpoint_restores_the_buffer(tmp_path):
+    common = dict(replay_sampler="prioritized", save_strategy="steps", save_steps=3)
+    straight = build_trainer(str(tmp_path / "a"), steps=6, **common)
+    straight.train()
+    assert (tmp_path / "a" / "checkpoint-3" / "replay_buffer.json").exists()
+
+    resumed = build_trainer(str(tmp_path / "b"), steps=6, **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    a, b = straight.replay_buffer.metrics(), resumed.replay_buffer.metrics()
+    for key in ("size", "added", "sampled_fresh", "sampled_replay", "reuse_mean", "age_mean", "evicted_reuse",
+                "evicted_staleness", "policy_version"):
+        assert a[key] == b[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
+    assert torch.equal(straight.replay_buffer.slots.advantage, resumed.replay_buffer.slots.advantage)
+
+
+def test_kl_term_with_weighted_sampler_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="KL term.*replay_sampler='uniform'"):
+        build_trainer(str(tmp_path), steps=1, beta=0.04, replay_sampler="prioritized")
+
+
+def test_kl_term_with_uniform_replay_stores_reference_logprobs(tmp_path):
+    from trl_grpo_replay import char_tokenizer, tiny_model
+
+    model_dir = tmp_path / "model"
+    tokenizer = char_tokenizer()
+    tiny_model(tokenizer).save_pretrained(model_dir)  # TRL loads its reference model from a path
+    trainer = build_trainer(str(tmp_path / "out"), steps=4, model=str(model_dir), beta=0.04, replay_sampler="uniform")
+    rounds, losses = record_rounds(trainer)
+    trainer.train()
+    assert trainer.replay_buffer.metrics()["sampled_replay"] > 0
+    assert all("ref_per_token_logps" in x for x in losses)
+    assert any(bool((x["ref_per_token_logps"] != 0).any()) for x in losses)
+
+
+def test_unsupported_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="replay_ratio"):
+        build_trainer(str(tmp_path), steps=1, replay_ratio=1.0)
+    with pytest.raises(ValueError, match="entropy bonus"):
+        build_trainer(str(tmp_path), steps=1, entropy_coef=0.01, replay_sampler="prioritized")

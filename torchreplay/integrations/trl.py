@@ -1,0 +1,326 @@
+"""Replay for TRL's GRPOTrainer: swap `GRPOTrainer` -> `ReplayGRPOTrainer` and `GRPOConfig` ->
+`ReplayGRPOConfig`.
+
+Every generation round, the trainer stores its fresh rollouts in `trainer.replay_buffer` and trains
+on them plus replayed ones (`compose`: fresh first, then `replay_ratio` of the batch replayed, the
+whole a multiple of `steps_per_generation` so that TRL's split drops no row). Replayed rows carry
+their behaviour log-probs, so TRL's clipped ratio is the off-policy PPO ratio, and their IS weight
+is folded into the advantage. That is exact for every policy loss TRL 1.16 offers (grpo, bnpo,
+dr_grpo, dapo, luspo, cispo, sapo, vespo): each is A times a term that depends on A only through its
+sign, and a weight w > 0 keeps the sign. The KL and entropy terms carry no A, so a sampler whose
+weights are not all 1 is refused with them (use `replay_sampler="uniform"`, or beta=0 IS weights).
+
+TRL private names this module uses (tested against trl 1.16): `_generate_and_score_completions`
+(overridden: the one place a generation batch exists), `_get_per_token_logps_and_entropies` (the
+behaviour log-probs TRL skips computing when its own schedule makes them equal to the current
+policy's). Metrics go through `Trainer.log`, checkpoints through a `TrainerCallback.on_save` and
+`train(resume_from_checkpoint=...)`: public hooks.
+
+The policy version is `trainer.state.global_step` (optimizer steps), taken when a round generates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as exc:  # pragma: no cover - only without the extra
+    raise ImportError("torchreplay.integrations.trl needs TRL: pip install 'torchreplay[trl]'") from exc
+
+from torchreplay import Checkpointer, PrioritizedSampler, RolloutBuffer, Sampler, UniformSampler, from_padded
+
+__all__ = ["ReplayGRPOConfig", "ReplayGRPOTrainer", "from_grpo_outputs", "to_grpo_inputs"]
+
+# What `_generate_and_score_completions` may return that replay knows how to carry. Anything else
+# (images, tool masks, vLLM sampling ratios) would be lost on replayed rows, so it is refused.
+_KNOWN_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+               "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps"}
+POINTER_FILE = "replay_buffer.json"
+LOCAL_DIR = "replay_buffer"
+
+
+@dataclass
+class ReplayGRPOConfig(GRPOConfig):
+    """GRPOConfig plus replay settings (docs/integrations.md)."""
+
+    replay_ratio: float = field(default=0.5, metadata={"help": "Fraction of each trained batch that is replayed (0 <= r < 1)."})
+    replay_capacity: int = field(default=4096, metadata={"help": "Rollouts the buffer holds (per process)."})
+    replay_sampler: Any = field(default="prioritized", metadata={"help": "'uniform', 'prioritized' or a torchreplay Sampler."})
+    replay_alpha: float | None = field(default=None, metadata={"help": "PrioritizedSampler alpha (None: its default)."})
+    replay_beta: float | None = field(default=None, metadata={"help": "PrioritizedSampler IS exponent (None: its default)."})
+    max_staleness: int | None = field(default=4, metadata={"help": "Oldest policy version replayed, in optimizer steps."})
+    max_reuse: int | None = field(default=4, metadata={"help": "Times a rollout is trained on, its fresh use included."})
+    replay_spill_dir: str | None = field(default=None, metadata={"help": "Directory for rollouts past the RAM budget."})
+    replay_checkpoint_uri: str | None = field(default=None, metadata={"help": "s3:// or file:// store for buffer checkpoints; None: inside each checkpoint-N."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.replay_ratio < 1:
+            raise ValueError(f"replay_ratio must be in [0, 1), got {self.replay_ratio}")
+        if isinstance(self.replay_sampler, str) and self.replay_sampler not in ("uniform", "prioritized"):
+            raise ValueError(f"replay_sampler must be 'uniform', 'prioritized' or a Sampler, got {self.replay_sampler!r}")
+
+
+def make_sampler(args: ReplayGRPOConfig) -> Sampler:
+    if not isinstance(args.replay_sampler, str):
+        return args.replay_sampler
+    if args.replay_sampler == "uniform":
+        return UniformSampler()
+    kwargs = {k: v for k, v in (("alpha", args.replay_alpha), ("beta", args.replay_beta)) if v is not None}
+    return PrioritizedSampler(**kwargs)
+
+
+def from_grpo_outputs(outputs: dict[str, Any], *, group_id: torch.Tensor, policy_version: int,
+                      logprobs: torch.Tensor | None = None) -> dict[str, Any]:
+    """A batch for `RolloutBuffer.add`/`compose` from `_generate_and_score_completions`' output:
+    its padded ids and masks, `advantages` [B], behaviour log-probs (`old_per_token_logps`, or
+    `logprobs` when TRL computed none) and `ref_per_token_logps` when present."""
+    behaviour = outputs.get("old_per_token_logps") if logprobs is None else logprobs
+    if behaviour is None:
+        raise ValueError("logprobs: TRL computed no old_per_token_logps; pass the behaviour log-probs")
+    advantages = outputs["advantages"]
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages: expected one per rollout [B], got shape {tuple(advantages.shape)}")
+    extra = {}
+    if outputs.get("ref_per_token_logps") is not None:
+        extra["ref_logprobs"] = outputs["ref_per_token_logps"].detach().float()
+    return from_padded(outputs["prompt_ids"], outputs["prompt_mask"], outputs["completion_ids"],
+                       outputs["completion_mask"], behaviour.detach().float(), advantage=advantages.detach().float(),
+                       group_id=group_id, policy_version=policy_version, **extra)
+
+
+def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str, Any]:
+    """TRL's loss inputs from a `ReplayBatch`: the IS weight folded into `advantages` (exact for
+    TRL's policy losses, see the module docstring), `old_per_token_logps` the behaviour log-probs;
+    `replay_weights` and `replay_is_fresh` ride along for inspection (TRL's loss ignores them).
+    `num_items_in_batch` is this process's; a trainer sums it over processes."""
+    parts = batch.split(prompt_side="left")
+    out = {
+        "prompt_ids": parts["prompt_ids"].long(),
+        "prompt_mask": parts["prompt_mask"],
+        "completion_ids": parts["completion_ids"].long(),
+        "completion_mask": parts["completion_mask"],
+        "advantages": parts["advantage"] * parts["weights"],
+        "old_per_token_logps": parts["logprobs"],
+        "num_items_in_batch": parts["completion_mask"].sum(),
+        "replay_weights": parts["weights"],
+        "replay_is_fresh": parts["is_fresh"],
+    }
+    if "ref_logprobs" in parts:
+        out["ref_per_token_logps"] = parts["ref_logprobs"]
+    return {k: v.to(device) if device is not None else v for k, v in out.items()}
+
+
+class _SaveReplayBuffer(TrainerCallback):
+    """Saves the buffer next to every TRL checkpoint, under the checkpoint's step as tag."""
+
+    def __init__(self, trainer: "ReplayGRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.trainer.save_replay_buffer(folder, state.global_step)
+
+
+class ReplayGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with rollout replay; same constructor. `replay_buffer` is its RolloutBuffer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if not isinstance(config, ReplayGRPOConfig):
+            raise TypeError(f"args must be a ReplayGRPOConfig, got {type(config).__name__}")
+        # Refuse what the config alone rules out before TRL loads models for it.
+        self._check_config(config)
+        super().__init__(*args, **kwargs)
+        self._check_supported()
+        self._group_base = 0
+        self.replay_buffer = self._new_buffer()
+        self.add_callback(_SaveReplayBuffer(self))
+
+    # --------------------------------------------------------------------------- configuration
+    def _check_supported(self) -> None:
+        refuse = []
+        if self.tools or self.environment_factories is not None:
+            refuse.append("tools / environments (tool masks are not stored for replay)")
+        if self._is_vlm:
+            refuse.append("vision-language models (images are not stored for replay)")
+        if refuse:
+            raise ValueError("ReplayGRPOTrainer does not support: " + "; ".join(refuse))
+
+    @staticmethod
+    def _weighted_terms(args: ReplayGRPOConfig) -> list[str]:
+        terms = []
+        if args.beta != 0.0:
+            terms.append(f"the KL term (beta={args.beta})")
+        if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+            terms.append("the entropy bonus")
+        return terms
+
+    @classmethod
+    def _check_config(cls, args: ReplayGRPOConfig) -> None:
+        if args.use_vllm:
+            raise ValueError("ReplayGRPOTrainer does not support use_vllm=True yet: vLLM's sampling log-probs and "
+                             "IS ratios are not stored for replay")
+        if args.beta != 0.0 and args.sync_ref_model:
+            raise ValueError("ReplayGRPOTrainer does not support beta != 0 with sync_ref_model=True: the stored "
+                             "reference log-probs would go stale")
+        terms = cls._weighted_terms(args)
+        if terms and not cls._unit_weights(make_sampler(args)):
+            raise ValueError(
+                f"{' and '.join(terms)} is not linear in the advantage, so replay IS weights cannot be folded in "
+                "exactly: use replay_sampler='uniform' (all weights 1) or replay_beta=0")
+
+    @staticmethod
+    def _unit_weights(sampler: Sampler) -> bool:
+        return isinstance(sampler, UniformSampler) or getattr(sampler, "beta", None) == 0
+
+    def _storage(self):
+        from torchreplay import TieredStorage
+
+        return TieredStorage(spill_dir=self.args.replay_spill_dir) if self.args.replay_spill_dir else None
+
+    def _new_buffer(self) -> RolloutBuffer:
+        a = self.args
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        checkpoint = Checkpointer(self._rank_uri(a.replay_checkpoint_uri)) if a.replay_checkpoint_uri else None
+        return RolloutBuffer(
+            a.replay_capacity, sampler=make_sampler(a), max_staleness=a.max_staleness, max_reuse=a.max_reuse,
+            padding_side="right", pad_token_id=tokenizer.pad_token_id or 0, ref_logprobs=a.beta != 0.0,
+            storage=self._storage(), checkpoint=checkpoint, seed=a.seed + self.accelerator.process_index)
+
+    def _rank_uri(self, uri: str) -> str:
+        return uri.rstrip("/") + f"/rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else uri
+
+    # --------------------------------------------------------------------------- the replay step
+    def _generate_and_score_completions(self, inputs):
+        outputs = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return outputs
+        return self._with_replay(outputs)
+
+    def _with_replay(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        unknown = {k for k, v in outputs.items() if v is not None} - _KNOWN_KEYS
+        if unknown:
+            raise ValueError(f"ReplayGRPOTrainer cannot replay rollouts with {sorted(unknown)}")
+        device = self.accelerator.device
+        logprobs = outputs.get("old_per_token_logps")
+        if logprobs is None:
+            logprobs = self._behaviour_logprobs(outputs)
+        n = outputs["prompt_ids"].shape[0]
+        world_rows = n * self.accelerator.num_processes
+        # Groups are consecutive rows of the global batch (TRL's RepeatSampler), numbered uniquely over rounds.
+        rows = self.accelerator.process_index * n + torch.arange(n)
+        group_id = self._group_base + torch.div(rows, self.num_generations, rounding_mode="floor")
+        self._group_base += -(-world_rows // self.num_generations)
+        fresh = from_grpo_outputs(outputs, group_id=group_id, policy_version=self.state.global_step,
+                                  logprobs=logprobs)
+        ratio = self.args.replay_ratio
+        n_replay = round(n * ratio / (1 - ratio))
+        batch = self.replay_buffer.compose(fresh, n_replay=n_replay, multiple_of=self.args.steps_per_generation)
+        batch = self._same_size_on_every_process(batch, n)
+        if self._weighted_terms(self.args) and not bool((batch.weights == 1).all()):
+            raise RuntimeError("replay IS weights other than 1 with a KL or entropy term; see ReplayGRPOConfig")
+        mixed = to_grpo_inputs(batch, device)
+        mixed["num_items_in_batch"] = self.accelerator.gather(mixed["num_items_in_batch"].reshape(1)).sum()
+        self._last_replayed = int((~batch.is_fresh).sum())
+        return mixed
+
+    @torch.no_grad()
+    def _behaviour_logprobs(self, outputs: dict[str, Any]) -> torch.Tensor:
+        """TRL skips old log-probs when its schedule makes them the current policy's; replay needs
+        them stored, so compute them once, with the policy that generated the rollouts."""
+        ids = torch.cat([outputs["prompt_ids"], outputs["completion_ids"]], dim=1)
+        mask = torch.cat([outputs["prompt_mask"], outputs["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model, ids, mask, outputs["completion_ids"].shape[1],
+            batch_size=self.args.per_device_train_batch_size)
+        return logps
+
+    def _same_size_on_every_process(self, batch, n_fresh: int):
+        """TRL gathers per-row metrics across processes, which needs equal row counts; a process
+        whose caps left fewer replayable rollouts sets the count for all. Rows cut here were drawn
+        (their use counted) but are not trained on."""
+        if self.accelerator.num_processes == 1:
+            return batch
+        size = torch.tensor([len(batch)], device=self.accelerator.device)
+        smallest = int(self.accelerator.gather(size).min())
+        if smallest == len(batch):
+            return batch
+        keep = torch.arange(smallest)
+        return batch.__class__(
+            data={k: v[keep] for k, v in batch.data.items()},
+            handles=type(batch.handles)(batch.handles.slot[keep], batch.handles.generation[keep]),
+            weights=batch.weights[keep], age=batch.age[keep], reuse=batch.reuse[keep],
+            is_fresh=batch.is_fresh[keep], token_fields=batch.token_fields, pad_token_id=batch.pad_token_id)
+
+    # --------------------------------------------------------------------------- metrics
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model is not None and self.model.training and "loss" in logs:
+            m = self.replay_buffer.metrics()
+            for key in ("size", "reuse_mean", "age_mean", "age_max", "ess_fraction", "replay_weight_mean",
+                        "sampled_fresh", "sampled_replay", "evicted_reuse", "evicted_staleness", "evicted_capacity"):
+                logs[f"replay/{key}"] = float(m[key])
+            for key in ("checkpoint_failures", "checkpoint_lag_s"):
+                if key in m:
+                    logs[f"replay/{key}"] = float(m[key])
+        super().log(logs, start_time)
+
+    # --------------------------------------------------------------------------- checkpoints
+    def save_replay_buffer(self, folder: str, step: int) -> None:
+        """The buffer under tag `step`: into `replay_checkpoint_uri` when set (a pointer file in
+        `folder` names it), else self-contained in `folder/replay_buffer` (so that TRL's
+        `save_total_limit` rotation removes it with its checkpoint)."""
+        os.makedirs(folder, exist_ok=True)
+        rank = self.accelerator.process_index
+        suffix = f".rank{rank}" if self.accelerator.num_processes > 1 else ""
+        if self.args.replay_checkpoint_uri:
+            uri = self._rank_uri(self.args.replay_checkpoint_uri)
+            self.replay_buffer.checkpoint(tag=str(step))
+        else:
+            local = os.path.join(os.path.abspath(folder), LOCAL_DIR + suffix)
+            uri = None
+            checkpointer = Checkpointer(f"file://{local}", interval_s=float("inf"))
+            previous = self.replay_buffer.detach_checkpointer()
+            try:
+                self.replay_buffer.attach_checkpointer(checkpointer)
+                self.replay_buffer.checkpoint(tag=str(step))
+            finally:
+                self.replay_buffer.detach_checkpointer()
+                checkpointer.close(final=False)
+                if previous is not None:
+                    self.replay_buffer.attach_checkpointer(previous)
+        pointer = {"uri": uri, "local_dir": None if uri else LOCAL_DIR + suffix, "tag": str(step),
+                   "group_base": self._group_base}
+        with open(os.path.join(folder, POINTER_FILE.replace(".json", f"{suffix}.json")), "w") as f:
+            json.dump(pointer, f)
+
+    def load_replay_buffer(self, folder: str) -> None:
+        """Replace the buffer with the one saved with TRL checkpoint `folder`."""
+        suffix = f".rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        path = os.path.join(folder, POINTER_FILE.replace(".json", f"{suffix}.json"))
+        with open(path) as f:
+            pointer = json.load(f)
+        uri = pointer["uri"] or f"file://{os.path.join(os.path.abspath(folder), pointer['local_dir'])}"
+        a = self.args
+        restored = RolloutBuffer.from_checkpoint(
+            uri, tag=pointer["tag"], sampler=make_sampler(a) if not isinstance(a.replay_sampler, str) else None,
+            storage=self._storage(), checkpoint=bool(pointer["uri"]), progress=False)
+        self.replay_buffer.close()
+        self.replay_buffer = restored
+        self._group_base = int(pointer["group_base"])
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)
+        if isinstance(folder, str):
+            self.load_replay_buffer(folder)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
