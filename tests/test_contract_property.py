@@ -169,7 +169,7 @@ OPS = st.one_of(
 
 def contract_holds(max_staleness, max_reuse, ops):
     def build(storage=None):
-        return tr.RolloutBuffer(CAPACITY, sampler=tr.PrioritizedSampler(alpha=ALPHA, beta=BETA, eps=EPS),
+        return tr.RolloutBuffer(CAPACITY, sampler=tr.PrioritizedSampler(alpha=ALPHA, beta=BETA, eps=EPS, weight_norm="batch_max"),
                                 max_staleness=max_staleness, max_reuse=max_reuse, seed=0,
                                 storage=storage or FlakyStorage())
 

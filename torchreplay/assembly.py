@@ -41,7 +41,7 @@ class ReplayBatch:
     """A padded training batch. `data` holds every field as [B, T, ...] (token) or [B] (rollout)
     tensors: tokens, attention_mask, response_mask, logprobs, reward, advantage, group_id,
     policy_version, prompt_len, plus optional/declared fields. Bookkeeping: handles, IS `weights`
-    (max 1), `age` (policy versions), `reuse` (times used before this batch), `is_fresh`."""
+    (normalized by the sampler's `weight_norm`), `age` (policy versions), `reuse` (times used before this batch), `is_fresh`."""
 
     data: dict[str, torch.Tensor]
     handles: Handles

@@ -55,10 +55,10 @@ class ArmConfig:
     group_size: int
     replay_ratio: float = 0.0
     sampler: str = "prioritized"
-    alpha: float = 1.0
+    alpha: float = 0.6
     beta: float = 0.4
     beta_anneal: bool = False
-    weight_norm: str = "batch_max"
+    weight_norm: str = "batch_mean"
     keep_zero_advantage: bool = False
     tau: float = 4.0
     max_staleness: int | None = 4
@@ -121,7 +121,7 @@ UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=4, group_si
 # The sparse task (reasoning-gym arithmetic, 0/1 reward), each arm at its best from the replay study's
 # tuning grid (benchmarks/replay_study.py; docs/demo_findings.md).
 ARITH_ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=8)
-ARITH_PRIOR = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5, alpha=0.6,
+ARITH_PRIOR = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5,
                         max_staleness=4, max_reuse=4)
 ARITH_UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5,
                           sampler="uniform", max_staleness=4, max_reuse=4)
