@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 EXT    := $(VENV)/.ext-built
 SOURCES := $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu') setup.py
+# A torch reinstalled into .venv means a rebuild: the extension is compiled against one torch.
+TORCH_STAMP := $(wildcard $(VENV)/lib/python*/site-packages/torch/version.py)
 
 .PHONY: demo test build pytest cuda-check ctest bench clean
 
@@ -21,11 +23,12 @@ $(DEPS): requirements-dev.txt
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && $(BIN)/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then \
 		echo "warning: a CUDA build of torch was installed on a machine without a GPU"; fi
 	$(BIN)/pip install --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/pip install --disable-pip-version-check --no-deps verl==0.9.1
 	@# With a CUDA driver, the `gpu` extra (kvikio) too: its tests fail rather than skip without it.
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --disable-pip-version-check kvikio-cu13; fi
 	touch $@
 
-$(EXT): $(DEPS) $(SOURCES)
+$(EXT): $(DEPS) $(SOURCES) $(TORCH_STAMP)
 	$(BIN)/pip install --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -2,6 +2,10 @@
 
 CUDA sources join the build only when torch itself has CUDA and nvcc is found, so a CPU-only
 machine never needs the CUDA toolkit. DEBUG=1 builds with -O0 -g.
+
+The extension is built against the torch this script imports, so install with
+`pip install --no-build-isolation .` (docs/install.md): an isolated build would compile against a
+second torch fetched into a throwaway environment, not the one the extension will run with.
 """
 
 import os
@@ -17,6 +21,13 @@ DEBUG = os.environ.get("DEBUG", "0") == "1"
 CXX_FLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 CXX_FLAGS += ["-std=c++17", "-fopenmp", "-ffp-contract=off"]
 NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17"]
+# Compiled into the binary (csrc/ops.cpp) and compared with the running torch at import: the
+# extension only works with the torch minor release and C++ ABI it was built against. The ABI flag
+# comes from the compiler itself there, as torch's own build flags set it.
+CXX_FLAGS += [
+    f'-DTORCHREPLAY_BUILT_TORCH_VERSION="{torch.__version__}"',
+    f'-DTORCHREPLAY_BUILT_TORCH_CUDA="{torch.version.cuda or "none"}"',
+]
 
 
 def want_cuda() -> bool:

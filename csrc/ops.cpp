@@ -2,16 +2,47 @@
 // dispatch key in cpu/*.cpp and cuda/tree_cuda_ops.cpp.
 #include <Python.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #ifdef TORCHREPLAY_WITH_CUDA
 #include "cuda/tree_cuda.h"
 #endif
 
-// Importing torchreplay._C runs the registrations below; the module itself exposes nothing.
+// What this binary was compiled against, so torchreplay/_ops.py can refuse a different torch with a
+// clear message instead of a crash. It lives in the .so (not in a Python file written beside it) so
+// that a stale binary can never disagree with it. setup.py passes torch.__version__ and
+// torch.version.cuda; without them (the compile-only CUDA check) the headers' version stands in.
+#ifndef TORCHREPLAY_BUILT_TORCH_VERSION
+#define TORCHREPLAY_BUILT_TORCH_VERSION TORCH_VERSION
+#endif
+#ifndef TORCHREPLAY_BUILT_TORCH_CUDA
+#define TORCHREPLAY_BUILT_TORCH_CUDA "unknown"
+#endif
+// The ABI the compiler actually used for this file (torch's build flags set it), rather than what
+// setup.py believed: libc++ has no such macro, hence "unknown".
+#if defined(_GLIBCXX_USE_CXX11_ABI) && _GLIBCXX_USE_CXX11_ABI
+#define TORCHREPLAY_BUILT_CXX11_ABI "1"
+#elif defined(_GLIBCXX_USE_CXX11_ABI)
+#define TORCHREPLAY_BUILT_CXX11_ABI "0"
+#else
+#define TORCHREPLAY_BUILT_CXX11_ABI "unknown"
+#endif
+
+// One literal with a fixed prefix: _ops.py also finds it by reading the file's bytes when the
+// module cannot be loaded at all (undefined symbols under another torch), to name the torch it needs.
+static const char kBuildInfo[] = "torchreplay-build-info:torch=" TORCHREPLAY_BUILT_TORCH_VERSION
+                                 ";cxx11_abi=" TORCHREPLAY_BUILT_CXX11_ABI ";cuda=" TORCHREPLAY_BUILT_TORCH_CUDA ";";
+
+// Importing torchreplay._C runs the registrations below; the module itself exposes only BUILD_INFO.
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && PyModule_AddStringConstant(module, "BUILD_INFO", kBuildInfo) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 

@@ -53,7 +53,8 @@ class ReplayGRPOConfig(GRPOConfig):
 
     replay_ratio: float = field(default=0.5, metadata={"help": "Fraction of each trained batch that is replayed (0 <= r < 1)."})
     replay_capacity: int = field(default=4096, metadata={"help": "Rollouts the buffer holds (per process)."})
-    replay_sampler: Any = field(default="prioritized", metadata={"help": "'uniform', 'prioritized' or a torchreplay Sampler."})
+    # Typed str so that TRL's command-line parser accepts it; a Sampler object works from Python.
+    replay_sampler: str = field(default="prioritized", metadata={"help": "'uniform', 'prioritized' or a torchreplay Sampler."})
     replay_alpha: float | None = field(default=None, metadata={"help": "PrioritizedSampler alpha (None: its default)."})
     replay_beta: float | None = field(default=None, metadata={"help": "PrioritizedSampler IS exponent (None: its default)."})
     max_staleness: int | None = field(default=4, metadata={"help": "Oldest policy version replayed, in optimizer steps."})
@@ -150,7 +151,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         refuse = []
         if self.tools or self.environment_factories is not None:
             refuse.append("tools / environments (tool masks are not stored for replay)")
-        if self._is_vlm:
+        if hasattr(self.processing_class, "image_processor"):
             refuse.append("vision-language models (images are not stored for replay)")
         if refuse:
             raise ValueError("ReplayGRPOTrainer does not support: " + "; ".join(refuse))
@@ -230,7 +231,6 @@ class ReplayGRPOTrainer(GRPOTrainer):
             raise RuntimeError("replay IS weights other than 1 with a KL or entropy term; see ReplayGRPOConfig")
         mixed = to_grpo_inputs(batch, device)
         mixed["num_items_in_batch"] = self.accelerator.gather(mixed["num_items_in_batch"].reshape(1)).sum()
-        self._last_replayed = int((~batch.is_fresh).sum())
         return mixed
 
     @torch.no_grad()
