@@ -434,7 +434,7 @@ def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
 
     score = {"score": tr.FieldSpec("score", "rollout", torch.int32, (), accept="int")}
     buf = DistributedRolloutBuffer(mode="global", capacity=32, extra_fields=score, max_reuse=2,
-                                   sampler=tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS))
+                                   sampler=tr.PrioritizedSampler(alpha=1.0, beta=BETA, eps=EPS, weight_norm="batch_max"))
     data = shard_batch(rank)
     data["score"] = (data["advantage"] * 1000).round().to(torch.int32)  # checkable on any receiver
     buf.add(data)
@@ -458,7 +458,7 @@ def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
     if rank == 0:
         old = DistributedRolloutBuffer(process_group=solo, mode="global", capacity=64, checkpoint_uri=uri,
                                        max_staleness=8,
-                                       sampler=tr.FreshnessSampler(alpha=1.0, beta=0.4, eps=EPS, tau=0.5))
+                                       sampler=tr.FreshnessSampler(alpha=1.0, beta=0.4, eps=EPS, tau=0.5, weight_norm="batch_max"))
         for v in (10, 14, 18):
             old.add(make_batch(4, version=v, seed=v))
         old.buffer.sampler.beta = 0.7  # annealed: state, not configuration
@@ -518,7 +518,7 @@ def test_global_sample_of_every_size_with_odd_width_fields(contract_job):
     for res in contract_job:
         assert res["sizes"] == list(range(1, 10))
         assert res["scores_ok"]
-        # batch_max (the default): each batch's lowest-priority row gets weight 1.
+        # batch_max (set explicitly): each batch's lowest-priority row gets weight 1.
         assert all(w == pytest.approx(1.0) for w in res["max_weight"])
 
 
