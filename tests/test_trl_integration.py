@@ -125,3 +125,58 @@ def test_unsupported_settings_are_refused(tmp_path):
         build_trainer(str(tmp_path), steps=1, replay_ratio=1.0)
     with pytest.raises(ValueError, match="entropy bonus"):
         build_trainer(str(tmp_path), steps=1, entropy_coef=0.01, replay_sampler="prioritized")
+
+
+def test_resume_with_a_checkpoint_uri_keeps_the_store_consistent(tmp_path):
+    """The resumed trainer's empty buffer must not publish over the store (its final manifest would
+    become the newest), and the restored buffer's manifests must not reuse numbers."""
+    import json
+
+    common = dict(replay_sampler="prioritized", save_strategy="steps", save_steps=3, save_total_limit=2)
+    store = tmp_path / "store"
+    straight = build_trainer(str(tmp_path / "a"), steps=6, replay_checkpoint_uri=f"file://{store}", **common)
+    straight.train()
+    pointer = json.loads((tmp_path / "a" / "checkpoint-3" / "replay_buffer.json").read_text())
+    assert pointer["uri"] == f"file://{store}" and pointer["tag"] == "3"
+
+    import torchreplay as tr
+
+    resumed = build_trainer(str(tmp_path / "b"), steps=6, replay_checkpoint_uri=f"file://{store}", **common)
+    before = tr.RolloutBuffer.from_checkpoint(f"file://{store}", progress=False)
+    resumed.load_replay_buffer(str(tmp_path / "a" / "checkpoint-3"))
+    # The store still names the uninterrupted run's newest state, not the resumed trainer's empty buffer.
+    latest = tr.RolloutBuffer.from_checkpoint(f"file://{store}", progress=False)
+    assert len(latest) == len(before) > 0
+    assert torch.equal(latest.slots.advantage, before.slots.advantage)
+
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    resumed.replay_buffer.checkpoint()
+    a, b = straight.replay_buffer.metrics(), resumed.replay_buffer.metrics()
+    assert a["size"] == b["size"] and a["sampled_replay"] == b["sampled_replay"]
+    latest = tr.RolloutBuffer.from_checkpoint(f"file://{store}", progress=False)
+    assert torch.equal(latest.slots.advantage, resumed.replay_buffer.slots.advantage)
+
+
+def test_resume_from_a_checkpoint_without_a_buffer_warns_and_starts_empty(tmp_path, caplog):
+    folder = tmp_path / "checkpoint-0"
+    folder.mkdir()
+    trainer = build_trainer(str(tmp_path / "out"), steps=1)
+    with caplog.at_level("WARNING"):
+        assert trainer.load_replay_buffer(str(folder)) is False
+    assert "holds no replay buffer" in caplog.text and len(trainer.replay_buffer) == 0
+
+
+def test_fully_masked_completions_train_and_are_never_prioritized(tmp_path):
+    # Two tokens never reach EOS here, so TRL masks every completion out.
+    trainer = build_trainer(str(tmp_path), steps=3, max_completion_length=2, mask_truncated_completions=True)
+    trainer.train()
+    live = trainer.replay_buffer.slots.live
+    assert live.any() and bool((trainer.replay_buffer.slots.advantage[live] == 0).all())
+
+
+def test_a_sampler_object_in_the_config_serializes(tmp_path):
+    import torchreplay as tr
+
+    trainer = build_trainer(str(tmp_path), steps=1, replay_sampler=tr.PrioritizedSampler(alpha=0.8))
+    assert '"replay_sampler": "PrioritizedSampler"' in trainer.args.to_json_string()
+    assert trainer.replay_buffer.sampler.alpha == 0.8

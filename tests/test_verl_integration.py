@@ -216,7 +216,7 @@ def test_compose_rounds_to_the_data_parallel_size():
         adapter.to_dataproto(mixed, template=fresh, multiple_of=len(out) + 1)
 
 
-def test_is_weights_fold_into_the_advantages_on_request():
+def test_is_weights_go_into_rollout_is_weights_on_request():
     old, fresh = make_dataproto(n_prompts=4, seed=0, uid_prefix="old-"), make_dataproto(n_prompts=3, seed=1)
     buf = buffer_for(old, sampler=tr.PrioritizedSampler(alpha=1.0, beta=1.0, weight_norm="batch_max"), seed=0)
     adapter = DataProtoAdapter(buf)
@@ -224,10 +224,11 @@ def test_is_weights_fold_into_the_advantages_on_request():
     mixed = adapter.compose(fresh, version=1, n_replay=8)
     assert bool((mixed.weights < 1).any())  # otherwise the test proves nothing
     plain = adapter.to_dataproto(mixed, template=fresh)
-    folded = adapter.to_dataproto(mixed, template=fresh, fold_is_weights=True)
-    expected = plain.batch["advantages"] * mixed.weights.unsqueeze(1).to(plain.batch["advantages"].dtype)
-    assert torch.equal(folded.batch["advantages"], expected)
-    assert torch.equal(folded.batch["advantages"][: len(fresh)], fresh.batch["advantages"])  # fresh weight 1
+    weighted = adapter.to_dataproto(mixed, template=fresh, is_weights=True)
+    assert "rollout_is_weights" not in plain.batch.keys()
+    width = fresh.batch["responses"].shape[1]
+    assert torch.equal(weighted.batch["rollout_is_weights"], mixed.weights[:, None].expand(len(mixed), width))
+    assert torch.equal(weighted.batch["advantages"], plain.batch["advantages"])  # advantages untouched
 
 
 def test_rows_evicted_by_the_reuse_cap_still_convert():

@@ -22,7 +22,10 @@ The policy version is `trainer.state.global_step` (optimizer steps), taken when 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +35,23 @@ try:
     from transformers import TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig, GRPOTrainer
+    from trl import __version__ as trl_version
+    from trl.models.utils import disable_gradient_checkpointing
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("torchreplay.integrations.trl needs TRL: pip install 'torchreplay[trl]'") from exc
 
 from torchreplay import Checkpointer, PrioritizedSampler, RolloutBuffer, Sampler, UniformSampler, from_padded
+
+TESTED_TRL = ((1, 16), (1, 17))  # [low, high): the overridden private methods are TRL 1.16's
+
+
+def _check_trl_version(version: str) -> None:
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if len(parts) == 2 and not TESTED_TRL[0] <= parts < TESTED_TRL[1]:
+        warnings.warn(f"torchreplay.integrations.trl is tested with trl 1.16, found {version}: it overrides TRL "
+                      "internals that may have changed", stacklevel=3)
+
+_check_trl_version(trl_version)
 
 __all__ = ["ReplayGRPOConfig", "ReplayGRPOTrainer", "from_grpo_outputs", "to_grpo_inputs"]
 
@@ -43,6 +59,7 @@ __all__ = ["ReplayGRPOConfig", "ReplayGRPOTrainer", "from_grpo_outputs", "to_grp
 # (images, tool masks, vLLM sampling ratios) would be lost on replayed rows, so it is refused.
 _KNOWN_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps"}
+logger = logging.getLogger(__name__)
 POINTER_FILE = "replay_buffer.json"
 LOCAL_DIR = "replay_buffer"
 
@@ -58,9 +75,16 @@ class ReplayGRPOConfig(GRPOConfig):
     replay_alpha: float | None = field(default=None, metadata={"help": "PrioritizedSampler alpha (None: its default)."})
     replay_beta: float | None = field(default=None, metadata={"help": "PrioritizedSampler IS exponent (None: its default)."})
     max_staleness: int | None = field(default=4, metadata={"help": "Oldest policy version replayed, in optimizer steps."})
-    max_reuse: int | None = field(default=4, metadata={"help": "Times a rollout is trained on, its fresh use included."})
+    max_reuse: int | None = field(default=4, metadata={"help": "Training batches a rollout is drawn into, its fresh one included (each is trained num_iterations times)."})
     replay_spill_dir: str | None = field(default=None, metadata={"help": "Directory for rollouts past the RAM budget."})
     replay_checkpoint_uri: str | None = field(default=None, metadata={"help": "s3:// or file:// store for buffer checkpoints; None: inside each checkpoint-N."})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe for TRL's loggers: a Sampler object is written as its class name."""
+        out = super().to_dict()
+        if not isinstance(self.replay_sampler, str):
+            out["replay_sampler"] = type(self.replay_sampler).__name__
+        return out
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +114,10 @@ def from_grpo_outputs(outputs: dict[str, Any], *, group_id: torch.Tensor, policy
     advantages = outputs["advantages"]
     if advantages.dim() != 1:
         raise ValueError(f"advantages: expected one per rollout [B], got shape {tuple(advantages.shape)}")
+    # A completion masked out entirely (mask_truncated_completions) trains nothing: stored with
+    # advantage 0, so that a prioritized sampler never spends a replay slot on it. Its loss is 0
+    # whatever its advantage, so the fresh batch is unchanged.
+    advantages = advantages.masked_fill(~outputs["completion_mask"].bool().any(1), 0.0)
     extra = {}
     if outputs.get("ref_per_token_logps") is not None:
         extra["ref_logprobs"] = outputs["ref_per_token_logps"].detach().float()
@@ -104,6 +132,10 @@ def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str,
     `replay_weights` and `replay_is_fresh` ride along for inspection (TRL's loss ignores them).
     `num_items_in_batch` is this process's; a trainer sums it over processes."""
     parts = batch.split(prompt_side="left")
+    if parts["completion_ids"].shape[1] == 0:  # every completion masked out: TRL needs one column to slice
+        for key in ("completion_ids", "completion_mask", "logprobs", "ref_logprobs"):
+            if key in parts:
+                parts[key] = torch.nn.functional.pad(parts[key], (0, 1), value=batch.pad_token_id if key == "completion_ids" else 0)
     out = {
         "prompt_ids": parts["prompt_ids"].long(),
         "prompt_mask": parts["prompt_mask"],
@@ -142,6 +174,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._check_config(config)
         super().__init__(*args, **kwargs)
         self._check_supported()
+        self._warn_if_saves_split_rounds()
         self._group_base = 0
         self.replay_buffer = self._new_buffer()
         self.add_callback(_SaveReplayBuffer(self))
@@ -155,6 +188,20 @@ class ReplayGRPOTrainer(GRPOTrainer):
             refuse.append("vision-language models (images are not stored for replay)")
         if refuse:
             raise ValueError("ReplayGRPOTrainer does not support: " + "; ".join(refuse))
+
+    def _warn_if_saves_split_rounds(self) -> None:
+        """TRL's checkpoints keep no generated-but-untrained batch, so a run resumed from a save
+        inside a generation round generates that round again; its buffer then differs from an
+        uninterrupted run's (more fresh rollouts). Saves on round boundaries resume exactly."""
+        a = self.args
+        every = a.steps_per_generation * self.num_iterations
+        if a.save_strategy == "steps" and isinstance(a.save_steps, int) \
+                and (a.save_steps * a.gradient_accumulation_steps) % every:
+            logger.warning(
+                "save_steps=%d x gradient_accumulation_steps=%d is not a multiple of steps_per_generation x "
+                "num_iterations = %d: a run resumed from such a checkpoint regenerates the interrupted round, so "
+                "its replay buffer will differ from an uninterrupted run's", a.save_steps,
+                a.gradient_accumulation_steps, every)
 
     @staticmethod
     def _weighted_terms(args: ReplayGRPOConfig) -> list[str]:
@@ -186,16 +233,26 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def _storage(self):
         from torchreplay import TieredStorage
 
-        return TieredStorage(spill_dir=self.args.replay_spill_dir) if self.args.replay_spill_dir else None
+        spill = self.args.replay_spill_dir
+        if not spill:
+            return None
+        if self.accelerator.num_processes > 1:  # shard file names count from 0 in every process
+            spill = os.path.join(spill, f"rank{self.accelerator.process_index}")
+        return TieredStorage(spill_dir=spill)
+
+    def _checkpointer(self) -> Checkpointer | None:
+        """Background checkpoints to `replay_checkpoint_uri`; TRL's `save_total_limit` also bounds
+        the tags kept there, as it bounds the checkpoint-N folders."""
+        uri = self.args.replay_checkpoint_uri
+        return Checkpointer(self._rank_uri(uri), keep_tags=self.args.save_total_limit) if uri else None
 
     def _new_buffer(self) -> RolloutBuffer:
         a = self.args
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        checkpoint = Checkpointer(self._rank_uri(a.replay_checkpoint_uri)) if a.replay_checkpoint_uri else None
         return RolloutBuffer(
             a.replay_capacity, sampler=make_sampler(a), max_staleness=a.max_staleness, max_reuse=a.max_reuse,
             padding_side="right", pad_token_id=tokenizer.pad_token_id or 0, ref_logprobs=a.beta != 0.0,
-            storage=self._storage(), checkpoint=checkpoint, seed=a.seed + self.accelerator.process_index)
+            storage=self._storage(), checkpoint=self._checkpointer(), seed=a.seed + self.accelerator.process_index)
 
     def _rank_uri(self, uri: str) -> str:
         return uri.rstrip("/") + f"/rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else uri
@@ -239,9 +296,10 @@ class ReplayGRPOTrainer(GRPOTrainer):
         them stored, so compute them once, with the policy that generated the rollouts."""
         ids = torch.cat([outputs["prompt_ids"], outputs["completion_ids"]], dim=1)
         mask = torch.cat([outputs["prompt_mask"], outputs["completion_mask"]], dim=1)
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.model, ids, mask, outputs["completion_ids"].shape[1],
-            batch_size=self.args.per_device_train_batch_size)
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, outputs["completion_ids"].shape[1],
+                batch_size=self.args.per_device_train_batch_size)
         return logps
 
     def _same_size_on_every_process(self, batch, n_fresh: int):
@@ -266,10 +324,10 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if self.model is not None and self.model.training and "loss" in logs:
             m = self.replay_buffer.metrics()
             for key in ("size", "reuse_mean", "age_mean", "age_max", "ess_fraction", "replay_weight_mean",
-                        "sampled_fresh", "sampled_replay", "evicted_reuse", "evicted_staleness", "evicted_capacity"):
-                logs[f"replay/{key}"] = float(m[key])
-            for key in ("checkpoint_failures", "checkpoint_lag_s"):
-                if key in m:
+                        "sampled_fresh", "sampled_replay", "evicted_reuse", "evicted_staleness", "evicted_capacity",
+                        "checkpoint_failures", "checkpoint_lag_s"):
+                # NaN (e.g. the replayed rows' mean weight before any replay) is left out, as TRL does.
+                if key in m and not math.isnan(float(m[key])):
                     logs[f"replay/{key}"] = float(m[key])
         super().log(logs, start_time)
 
@@ -302,20 +360,31 @@ class ReplayGRPOTrainer(GRPOTrainer):
         with open(os.path.join(folder, POINTER_FILE.replace(".json", f"{suffix}.json")), "w") as f:
             json.dump(pointer, f)
 
-    def load_replay_buffer(self, folder: str) -> None:
-        """Replace the buffer with the one saved with TRL checkpoint `folder`."""
+    def load_replay_buffer(self, folder: str) -> bool:
+        """Replace the buffer with the one saved with TRL checkpoint `folder`. A checkpoint saved
+        without one (plain TRL, another world size, a crash between TRL's save and the buffer's)
+        logs a warning and keeps the empty buffer; returns whether a buffer was restored."""
         suffix = f".rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
         path = os.path.join(folder, POINTER_FILE.replace(".json", f"{suffix}.json"))
+        if not os.path.exists(path):
+            logger.warning("%s holds no replay buffer (%s): resuming with an empty one", folder, os.path.basename(path))
+            return False
         with open(path) as f:
             pointer = json.load(f)
         uri = pointer["uri"] or f"file://{os.path.join(os.path.abspath(folder), pointer['local_dir'])}"
         a = self.args
+        # The empty buffer's checkpointer goes first, unpublished: a final manifest of it would become
+        # the store's newest, and its manifest numbers would collide with the restored buffer's.
+        previous = self.replay_buffer.detach_checkpointer()
+        if previous is not None:
+            previous.close(final=False)
         restored = RolloutBuffer.from_checkpoint(
             uri, tag=pointer["tag"], sampler=make_sampler(a) if not isinstance(a.replay_sampler, str) else None,
-            storage=self._storage(), checkpoint=bool(pointer["uri"]), progress=False)
+            storage=self._storage(), checkpoint=self._checkpointer() or False, progress=False)
         self.replay_buffer.close()
         self.replay_buffer = restored
         self._group_base = int(pointer["group_base"])
+        return True
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         folder = resume_from_checkpoint

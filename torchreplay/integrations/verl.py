@@ -324,13 +324,14 @@ class DataProtoAdapter:
         return len(gone)
 
     def to_dataproto(self, batch: ReplayBatch, template: Any, multiple_of: int | None = None,
-                     fold_is_weights: bool = False) -> Any:
+                     is_weights: bool = False) -> Any:
         """A verl DataProto of `batch`'s rows laid out like `template`, a DataProto of this run
         (usually the step's fresh one): its batch keys in order, dtypes, devices, widths, non-tensor
         keys and meta_info. `multiple_of`: a ValueError unless the row count is a multiple of it
-        (`compose(..., multiple_of=)` makes it one). `fold_is_weights=True` multiplies each row's
-        `advantages` by its IS weight: exact for verl's clipped policy losses (A times a factor
-        that depends on A only through its sign), not for a KL or entropy loss term."""
+        (`compose(..., multiple_of=)` makes it one). `is_weights=True` multiplies each row's IS
+        weight into `rollout_is_weights` [B, Tr] (created as the weights if the template has none):
+        verl's policy losses take that per-token weight, whatever their loss mode; its KL and
+        entropy terms do not."""
         try:
             from verl import DataProto
         except ImportError as exc:
@@ -397,11 +398,11 @@ class DataProtoAdapter:
                 raise ValueError(f"{key!r}: rows of shape {list(value.shape[1:])}, the template's are "
                                  f"{list(example.shape[1:])}")
             out[key] = value.to(device=example.device, dtype=example.dtype).contiguous()
-        if fold_is_weights:
-            if "advantages" not in out:
-                raise ValueError("fold_is_weights: the template has no 'advantages'")
-            weights = batch.weights.to(device=out["advantages"].device, dtype=out["advantages"].dtype)
-            out["advantages"] = out["advantages"] * weights.view(-1, *[1] * (out["advantages"].dim() - 1))
+        if is_weights:
+            width = out["responses"].shape[1]
+            existing = out.get("rollout_is_weights")
+            weights = batch.weights.to(device=out["responses"].device, dtype=torch.float32)[:, None].expand(n, width)
+            out["rollout_is_weights"] = weights.clone() if existing is None else existing * weights.to(existing.dtype)
         non_tensors = {key: self._column(batch, key, example) for key, example in template.non_tensor_batch.items()}
         meta = dict(template.meta_info)
         if "global_token_num" in meta:
