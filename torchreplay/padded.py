@@ -4,7 +4,8 @@ TRL and verl hold a batch as left-padded prompt ids and right-padded completion 
 int (or bool) mask, and keep per-token values (log-probs, advantages) over the completion only.
 `from_padded` turns that into the ragged batch `RolloutBuffer.add`/`compose` take; `split_padded`
 (behind `ReplayBatch.split`) turns a sampled batch back into it, so a rollout that goes in comes
-out with the same tokens, masks and values.
+out with the same tokens, masks and completion-aligned values (a full-width field comes back
+completion-aligned; its prompt part stays in `batch.data`).
 
 Rules, so that the round trip is exact:
 - a prompt mask must be one run of 1s (after the left padding, or before the right padding); the

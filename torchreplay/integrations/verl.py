@@ -6,8 +6,8 @@
     replay = DataProtoAdapter(buf)
     # in RayPPOTrainer.fit, after compute_advantage, before update_actor:
     mixed = replay.compose(batch, version=step, replay_ratio=0.5, multiple_of=dp_size)
-    batch = replay.to_dataproto(mixed, template=batch)  # len % dp_size == 0, so chunk() works
-    # mixed.weights: the rows' IS weights; buf.update_priorities(mixed.handles, ...) as usual
+    batch = replay.to_dataproto(mixed, template=batch, is_weights=True)  # len % dp_size == 0: chunk() works
+    # is_weights: the rows' IS weights multiplied into rollout_is_weights, which verl's policy losses take
 
 Public: `verl_fields` (the buffer's extra field declarations) and `DataProtoAdapter`, whose
 methods `from_dataproto(data, version=...) -> dict` (a batch for `RolloutBuffer.add`/`compose`),
