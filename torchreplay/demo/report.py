@@ -89,7 +89,7 @@ def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
     """The printed results table (one row per arm; ± is the std over seeds)."""
     rows = [["arm", f"tokens to {cfg.target_acc:.0%}", "saving", f"compute to {cfg.target_acc:.0%}", "final acc",
              "trained tok", "entropy", "wall", "uses/rollout", "age mean/max", "evicted stale/reuse",
-             "tier hits hot/cold"]]
+             "IS weight ESS", "tier hits hot/cold"]]
     for name, e in summary.items():
         b = e.get("buffer", {})
         saving = _fmt(e["token_saving"], 0.01, 0, "%") if "token_saving" in e else "-"
@@ -105,6 +105,8 @@ def format_table(summary: dict[str, Any], cfg: DemoConfig) -> str:
             _fmt(e["uses_per_rollout"], digits=2),
             f"{b['age_mean']:.1f}/{b['age_max']:.0f}" if "age_mean" in b else "-",
             f"{b['evicted_staleness']:.0f}/{b['evicted_reuse']:.0f}" if "evicted_staleness" in b else "-",
+            # The last batch's effective sample size as a fraction of it: how far the weights are from flat.
+            f"{b['ess_fraction']:.2f}" if b.get("ess_fraction") is not None and "age_mean" in b else "-",
             f"{b['storage_hot_hits']:.0f}/{b['storage_cold_reads']:.0f}" if "storage_hot_hits" in b else "-",
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
