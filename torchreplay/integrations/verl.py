@@ -201,13 +201,52 @@ def _padding(tensors: Mapping[str, torch.Tensor], valid: torch.Tensor, prompt_wi
     return found
 
 
+def _to_json(key: str, value: Any) -> Any:
+    """A non-tensor column value as JSON; numpy values keep their dtype in a tagged object."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return {"__ndarray_object__": [_to_json(key, v) for v in value.tolist()]}
+        return {"__ndarray__": value.tolist(), "dtype": value.dtype.str}
+    if isinstance(value, np.generic):
+        return {"__ndarray__": value.tolist(), "dtype": value.dtype.str, "scalar": True}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"non-tensor column {key!r}: a dict with non-string keys cannot be saved as JSON")
+        return {"__dict__": {k: _to_json(key, v) for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(key, v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"non-tensor column {key!r}: a {type(value).__name__} cannot be saved as JSON")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__ndarray__" in value:
+            array = np.array(value["__ndarray__"], dtype=np.dtype(value["dtype"]))
+            return array[()] if value.get("scalar") else array
+        if "__ndarray_object__" in value:
+            items = [_from_json(v) for v in value["__ndarray_object__"]]
+            array = np.empty(len(items), dtype=object)
+            for i, item in enumerate(items):
+                array[i] = item
+            return array
+        if "__dict__" in value:
+            return {k: _from_json(v) for k, v in value["__dict__"].items()}
+        raise ValueError(f"untagged object {sorted(value)[:3]}")
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
 class DataProtoAdapter:
     """Moves verl DataProtos into `buffer` and sampled batches back out (see the module docstring).
 
     It keeps the uid and non-tensor columns of each rollout it adds, keyed by handle, until the
     buffer has evicted the rollout: entries go at the start of the next `add`/`compose` (or
     `prune`), so a batch whose rows the reuse cap evicted still converts. They live in this process,
-    not in the buffer's checkpoints; non-tensor objects are kept by reference."""
+    not in the buffer's checkpoints (save `state_dict()` beside them); non-tensor objects are kept
+    by reference."""
 
     def __init__(self, buffer: RolloutBuffer) -> None:
         if not isinstance(buffer, RolloutBuffer):
@@ -322,6 +361,33 @@ class DataProtoAdapter:
         for handle in gone:
             self._forget(handle)
         return len(gone)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The adapter's own state as plain JSON values (uids, non-tensor columns by handle, the
+        padding it has seen), to save beside the buffer's checkpoint so that rows restored there
+        convert back after a resume. numpy arrays and scalars are tagged with their dtype; a column
+        value JSON cannot hold (an arbitrary object) raises TypeError naming the column."""
+        self.prune()
+        rows = [[slot, generation, group, {key: _to_json(key, value) for key, value in columns.items()}]
+                for (slot, generation), (group, columns) in self._rows.items()]
+        return {"format": 1, "rows": rows, "uids": [[group, _to_json("uid", uid), count]
+                                                    for group, (uid, count) in self._uids.items()],
+                "anonymous": self._anonymous, "seen": self._seen}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output (after the buffer itself was restored). Checked whole
+        before anything changes: a malformed state raises ValueError."""
+        try:
+            if state["format"] != 1:
+                raise ValueError(f"unknown format {state['format']!r}")
+            rows = {(int(slot), int(generation)): (int(group), {key: _from_json(value) for key, value in columns.items()})
+                    for slot, generation, group, columns in state["rows"]}
+            uids = {int(group): [_from_json(uid), int(count)] for group, uid, count in state["uids"]}
+            anonymous, seen = int(state["anonymous"]), dict(state["seen"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a DataProtoAdapter state: {exc}") from exc
+        self._rows, self._uids, self._anonymous, self._seen = rows, uids, anonymous, seen
+        self.prune()
 
     def to_dataproto(self, batch: ReplayBatch, template: Any, multiple_of: int | None = None,
                      is_weights: bool = False) -> Any:
