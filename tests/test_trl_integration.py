@@ -204,3 +204,13 @@ def test_two_processes_keep_a_buffer_each_and_resume_it(tmp_path):
         assert (tmp_path / "a" / "checkpoint-2" / f"replay_buffer.rank{rank}.json").exists()
     resumed = run(tmp_path / "b", str(tmp_path / "a" / "checkpoint-2"))
     assert resumed == straight
+
+
+def test_pad_to_multiple_of_holds_for_mixed_batches(tmp_path):
+    trainer = build_trainer(str(tmp_path), steps=4, replay_sampler="uniform", pad_to_multiple_of=8)
+    rounds, losses = record_rounds(trainer)
+    trainer.train()
+    assert any(not bool(b.is_fresh.all()) for b in rounds)  # replayed rows were in the batches checked
+    for inputs in losses:
+        assert inputs["prompt_ids"].shape[1] % 8 == 0 and inputs["completion_ids"].shape[1] % 8 == 0
+        assert inputs["old_per_token_logps"].shape == inputs["completion_mask"].shape == inputs["completion_ids"].shape

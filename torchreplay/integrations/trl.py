@@ -287,8 +287,23 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if self._weighted_terms(self.args) and not bool((batch.weights == 1).all()):
             raise RuntimeError("replay IS weights other than 1 with a KL or entropy term; see ReplayGRPOConfig")
         mixed = to_grpo_inputs(batch, device)
+        if isinstance(self.pad_to_multiple_of, int):  # TRL's own shapes, for backends compiled per shape
+            self._pad_widths(mixed, self.pad_to_multiple_of, batch.pad_token_id)
         mixed["num_items_in_batch"] = self.accelerator.gather(mixed["num_items_in_batch"].reshape(1)).sum()
         return mixed
+
+    @staticmethod
+    def _pad_widths(mixed: dict[str, Any], multiple: int, pad_token_id: int) -> None:
+        """Prompts (left) and completions (right) padded to a multiple of `multiple`, as TRL pads."""
+        pad = torch.nn.functional.pad
+        prompt_extra = -mixed["prompt_ids"].shape[1] % multiple
+        completion_extra = -mixed["completion_ids"].shape[1] % multiple
+        mixed["prompt_ids"] = pad(mixed["prompt_ids"], (prompt_extra, 0), value=pad_token_id)
+        mixed["prompt_mask"] = pad(mixed["prompt_mask"], (prompt_extra, 0))
+        mixed["completion_ids"] = pad(mixed["completion_ids"], (0, completion_extra), value=pad_token_id)
+        for key in ("completion_mask", "old_per_token_logps", "ref_per_token_logps"):
+            if key in mixed:
+                mixed[key] = pad(mixed[key], (0, completion_extra))
 
     @torch.no_grad()
     def _behaviour_logprobs(self, outputs: dict[str, Any]) -> torch.Tensor:
