@@ -14,8 +14,10 @@ import argparse
 import os
 import tempfile
 
-QUESTION_CHARS = " +-.0123456789Calcetu="
+from torchreplay.demo.rg_task import QUESTION_CHARS, basic_arithmetic
+
 PAD, EOS, BOS = "_", "$", "^"
+SEP = "="  # ends each question: the answer follows
 
 
 def char_tokenizer():
@@ -23,7 +25,7 @@ def char_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate([PAD, EOS, BOS, "?", *sorted(set(QUESTION_CHARS))])}
+    vocab = {c: i for i, c in enumerate([PAD, EOS, BOS, "?", *sorted(set(QUESTION_CHARS + SEP))])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -47,13 +49,10 @@ def arithmetic_dataset(size: int = 256, seed: int = 0):
     """reasoning-gym's generator; each row keeps its entry so the reward can call its scorer."""
     import json
 
-    import reasoning_gym
     from datasets import Dataset
 
-    rg = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2,
-                                      min_digits=1, max_digits=1, operators=("+", "-"), allow_parentheses=False,
-                                      allow_negation=False, format_style="simple", whitespace="single")
-    rows = [{"prompt": rg[i]["question"] + "=", "entry": json.dumps(rg[i])} for i in range(size)]
+    rg = basic_arithmetic(num_terms=2, size=size, seed=seed)
+    rows = [{"prompt": rg[i]["question"] + SEP, "entry": json.dumps(rg[i])} for i in range(size)]
     return Dataset.from_list(rows), rg
 
 

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
+from torchreplay.storage.tiered import ranges
+
 SIDES = ("left", "right")
 # Rollout-level fields `from_padded` fills itself; everything else in **fields passes through.
 _ROLLOUT_ARGS = ("advantage", "group_id", "policy_version", "reward")
@@ -115,12 +117,9 @@ def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
         offsets = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
         values = torch.empty((int(offsets[-1]), *completion_part.shape[2:]), dtype=completion_part.dtype)
-        row_of_prompt = torch.repeat_interleave(torch.arange(n), prompt_len)
-        row_of_completion = torch.repeat_interleave(torch.arange(n), completion_len)
-        prompt_pos = offsets[:-1][row_of_prompt] + _within(prompt_len)
-        completion_pos = offsets[:-1][row_of_completion] + prompt_len[row_of_completion] + _within(completion_len)
-        values[prompt_pos] = prompt_rows
-        values[completion_pos] = completion_rows
+        prompt_ends = offsets[:-1] + prompt_len
+        values[ranges(offsets[:-1], prompt_ends)] = prompt_rows
+        values[ranges(prompt_ends, offsets[1:])] = completion_rows
         return {"values": values, "offsets": offsets}
 
     def token_field(name: str, value: Any) -> dict[str, torch.Tensor]:
@@ -153,13 +152,6 @@ def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
         is_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in (tc, tp + tc)
         batch[name] = token_field(name, value) if is_token else value
     return batch
-
-
-def _within(lengths: torch.Tensor) -> torch.Tensor:
-    """0..len_i-1 for every i, laid end to end."""
-    total = int(lengths.sum())
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(total) - torch.repeat_interleave(starts, lengths)
 
 
 def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...], pad_token_id: int,

@@ -23,6 +23,17 @@ QUESTION_CHARS = " +-.0123456789Calcetu"
 DATASET_SIZE = 1_000_000  # indices drawn from it: reasoning-gym derives entry i from (seed, i)
 
 
+def basic_arithmetic(num_terms: int, size: int, seed: int):
+    """reasoning-gym's basic_arithmetic, `num_terms` single-digit terms joined by + and -, in its
+    simple format ("Calculate 4 - 1."): the questions QUESTION_CHARS covers."""
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(
+        "basic_arithmetic", size=size, seed=seed, min_terms=num_terms, max_terms=num_terms, min_digits=1,
+        max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False, format_style="simple",
+        whitespace="single")
+
+
 class ArithmeticTask:
     """reasoning-gym's basic_arithmetic: `num_terms` single-digit terms joined by + and -.
 
@@ -31,13 +42,8 @@ class ArithmeticTask:
     """
 
     def __init__(self, num_terms: int = 3, seed: int = 0) -> None:
-        import reasoning_gym
-
         self.num_terms = num_terms
-        self.dataset = reasoning_gym.create_dataset(
-            "basic_arithmetic", size=DATASET_SIZE, seed=seed, min_terms=num_terms, max_terms=num_terms,
-            min_digits=1, max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False,
-            format_style="simple", whitespace="single")
+        self.dataset = basic_arithmetic(num_terms, DATASET_SIZE, seed)
         self.vocab = sorted(set(QUESTION_CHARS)) + [SEP, EOS, PAD]
         self.stoi = {c: i for i, c in enumerate(self.vocab)}
         self.sep_id, self.eos_id, self.pad_id = self.stoi[SEP], self.stoi[EOS], self.stoi[PAD]

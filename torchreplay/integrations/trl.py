@@ -236,8 +236,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         spill = self.args.replay_spill_dir
         if not spill:
             return None
-        if self.accelerator.num_processes > 1:  # shard file names count from 0 in every process
-            spill = os.path.join(spill, f"rank{self.accelerator.process_index}")
+        if self._rank:  # shard file names count from 0 in every process
+            spill = os.path.join(spill, self._rank)
         return TieredStorage(spill_dir=spill)
 
     def _checkpointer(self) -> Checkpointer | None:
@@ -254,8 +254,13 @@ class ReplayGRPOTrainer(GRPOTrainer):
             padding_side="right", pad_token_id=tokenizer.pad_token_id or 0, ref_logprobs=a.beta != 0.0,
             storage=self._storage(), checkpoint=self._checkpointer(), seed=a.seed + self.accelerator.process_index)
 
+    @property
+    def _rank(self) -> str:
+        """This process's name in per-process paths; empty on a single process."""
+        return f"rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+
     def _rank_uri(self, uri: str) -> str:
-        return uri.rstrip("/") + f"/rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else uri
+        return uri.rstrip("/") + f"/{self._rank}" if self._rank else uri
 
     # --------------------------------------------------------------------------- the replay step
     def _generate_and_score_completions(self, inputs):
@@ -352,8 +357,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         `folder` names it), else self-contained in `folder/replay_buffer` (so that TRL's
         `save_total_limit` rotation removes it with its checkpoint)."""
         os.makedirs(folder, exist_ok=True)
-        rank = self.accelerator.process_index
-        suffix = f".rank{rank}" if self.accelerator.num_processes > 1 else ""
+        suffix = f".{self._rank}" if self._rank else ""
         if self.args.replay_checkpoint_uri:
             uri = self._rank_uri(self.args.replay_checkpoint_uri)
             self.replay_buffer.checkpoint(tag=str(step))
@@ -379,7 +383,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         """Replace the buffer with the one saved with TRL checkpoint `folder`. A checkpoint saved
         without one (plain TRL, another world size, a crash between TRL's save and the buffer's)
         logs a warning and keeps the empty buffer; returns whether a buffer was restored."""
-        suffix = f".rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        suffix = f".{self._rank}" if self._rank else ""
         path = os.path.join(folder, POINTER_FILE.replace(".json", f"{suffix}.json"))
         if not os.path.exists(path):
             logger.warning("%s holds no replay buffer (%s): resuming with an empty one", folder, os.path.basename(path))
