@@ -30,6 +30,24 @@ def run_python(script: str) -> subprocess.CompletedProcess:
                           env=env)
 
 
+def import_after(setup: str) -> str:
+    """What `import torchreplay` prints in a fresh interpreter after `setup` ran: its ImportError's
+    message, or "imported"."""
+    script = textwrap.dedent(setup) + textwrap.dedent(
+        """
+        try:
+            import torchreplay  # noqa: F401
+        except ImportError as exc:
+            print(exc)
+        else:
+            print("imported")
+        """
+    )
+    result = run_python(script)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def pyproject():
     tomllib = pytest.importorskip("tomllib")
@@ -104,7 +122,7 @@ def test_undefined_symbol_at_import_gives_rebuild_instructions():
     """The real import path: a loader that fails the way a binary built against another torch does."""
     if _ops._extension_file() is None:
         pytest.skip("the extension is not installed beside torchreplay/_ops.py")
-    script = textwrap.dedent(
+    out = import_after(
         """
         import sys
 
@@ -118,41 +136,25 @@ def test_undefined_symbol_at_import_gives_rebuild_instructions():
                     raise ImportError("_C.so: undefined symbol: _ZNK3c1010TensorImpl4sizeEl")
 
         sys.meta_path.insert(0, BrokenExtension())
-        try:
-            import torchreplay  # noqa: F401
-        except ImportError as exc:
-            print(exc)
-        else:
-            print("imported")
         """
     )
-    result = run_python(script)
-    assert result.returncode == 0, result.stderr
-    assert f"built against torch {torch.__version__}" in result.stdout
-    assert "torch 2.99.0" in result.stdout
-    assert REBUILD in result.stdout
-    assert "undefined symbol: _ZNK3c1010TensorImpl4sizeEl" in result.stdout
+    assert f"built against torch {torch.__version__}" in out
+    assert "torch 2.99.0" in out
+    assert REBUILD in out
+    assert "undefined symbol: _ZNK3c1010TensorImpl4sizeEl" in out
 
 
 def test_other_torch_minor_at_import_raises():
     """The real import path with a binary that loads: the recorded version is checked before any op."""
-    script = textwrap.dedent(
+    out = import_after(
         """
         import torch
 
         torch.__version__ = "2.99.0"
-        try:
-            import torchreplay  # noqa: F401
-        except ImportError as exc:
-            print(exc)
-        else:
-            print("imported")
         """
     )
-    result = run_python(script)
-    assert result.returncode == 0, result.stderr
-    assert f"built against torch {torch.__version__}" in result.stdout
-    assert "but torch 2.99.0" in result.stdout and REBUILD in result.stdout
+    assert f"built against torch {torch.__version__}" in out
+    assert "but torch 2.99.0" in out and REBUILD in out
 
 
 def test_build_requirements_pin_no_torch(pyproject):
