@@ -101,27 +101,62 @@ def test_reuse_cap_holds_within_one_batch():
     assert len(out) == 2 and len(buf) == 0 and buf.metrics()["evicted_reuse"] == 1
 
 
-def test_reuse_cap_redraws_without_biasing_the_others():
-    """alpha 1, one large |A| among 32: it came back 12 times in 16. Now at most its budget, and
-    the other rows' frequencies stay proportional to their priorities (chi-square, fixed seed)."""
-    from scipy import stats
+def redraw_misses(counts: torch.Tensor, prio: torch.Tensor, capped: int, budget: int,
+                  groups: list[slice]) -> int:
+    """How many (call, group) pairs break the per-call bounds of the documented redraw, under the
+    model `prio` (per slot). `counts` is [calls, slots]; `groups` are runs of adjacent slots, which
+    own one contiguous interval of the tree's priority mass (slot order), so the stratified
+    guarantee (an interval of E strata gets floor(E) - 1 .. ceil(E) + 1 draws, every call) holds
+    for a run as for one slot, and a run's E is large enough for a few percent to show.
 
-    adv = torch.full((32,), 0.5)
-    adv[7] = 50.0
-    adv[8:16] = 1.0
-    counts = torch.zeros(32)
+    The draw: pass 1 is stratified over the whole mass M; the capped slot keeps `budget` of its
+    c0 in [floor(E0) - 1, ceil(E0) + 1] draws and is set aside; the r = c0 - budget missing rows
+    are redrawn, stratified, over M' = M - p[capped]. (The test's sizes keep every other slot far
+    from the budget, so there is no third pass.) A run's count is its pass-1 count plus its
+    pass-2 count, each within its stratified bounds, with r anywhere in its range."""
+    p = prio.double()
+    n = int(counts[0].sum())
+    mass, rest = float(p.sum()), float(p.sum() - p[capped])
+    e0 = n * float(p[capped]) / mass
+    r_lo, r_hi = math.floor(e0 - 1e-9) - 1 - budget, math.ceil(e0 + 1e-9) + 1 - budget
+    misses = 0
+    for g in groups:
+        pg = float(p[g].sum())
+        e1, e2_lo, e2_hi = n * pg / mass, r_lo * pg / rest, r_hi * pg / rest
+        lo = math.floor(e1 - 1e-9) - 1 + math.floor(e2_lo - 1e-9) - 1
+        hi = math.ceil(e1 + 1e-9) + 1 + math.ceil(e2_hi + 1e-9) + 1
+        c = counts[:, g].sum(1)
+        misses += int(((c < lo) | (c > hi)).sum())
+    return misses
+
+
+def test_reuse_cap_redraws_without_biasing_the_others():
+    """alpha 1, one large |A| came back 12 times in 16. Now exactly its budget, and the rows
+    redrawn in its place keep the others' relative probabilities: per `sample(1024)` call, every
+    run of 256 slots lies within the per-call bounds of the documented two-pass draw, and the same
+    draws break the bounds of a model that gives the |A| = 1 rows 0.95x their priority (power).
+
+    Mutation seen failing: the redraw setting aside every drawn slot (`set_aside(spent)` in
+    TreeSampler.draw instead of only the slots whose budget is spent), which moves the |A| = 1
+    rows to about 0.95x their frequency; a chi-square on 200 small stratified calls passed it."""
+    budget = 8
+    adv = torch.cat([torch.tensor([2304.0]), torch.full((512,), 1.0), torch.full((512,), 0.5)])
+    prio = adv.double() + 1e-3  # PrioritizedSampler: (|A| + eps) ** alpha, eps 1e-3
     gen = torch.Generator().manual_seed(3)
-    for _ in range(200):
-        buf = tr.RolloutBuffer(64, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.0), max_reuse=3, seed=0)
-        buf.add(make_batch(32, seed=2, advantage=adv))
-        out = buf.sample(16, generator=gen)
-        c = torch.bincount(out.handles.slot, minlength=64)[:32].float()
-        assert int(c.max()) <= 3 and int(c[7]) == 3
-        counts += c
-    others = torch.cat([counts[:7], counts[8:]])
-    p = torch.cat([adv[:7], adv[8:]]).double() + 1e-3
-    expected = (p / p.sum() * others.sum()).numpy()
-    assert stats.chisquare(others.numpy(), expected).pvalue > 1e-3
+    counts = []
+    for _ in range(6):  # a fresh buffer per call: a call's uses spend the budgets of the next
+        buf = tr.RolloutBuffer(1025, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.0), max_reuse=budget, seed=0)
+        h = buf.add(make_batch(1025, seed=2, advantage=adv, max_len=4))
+        assert h.slot.tolist() == list(range(1025))  # slot order = the order of `adv`
+        out = buf.sample(1024, generator=gen)
+        counts.append(torch.bincount(out.handles.slot, minlength=1025))
+    counts = torch.stack(counts)
+    assert int(counts.max()) == budget and bool((counts[:, 0] == budget).all())
+    runs = [slice(start, start + 256) for start in range(1, 1025, 256)]
+    assert redraw_misses(counts, prio, 0, budget, runs) == 0
+    off = prio.clone()
+    off[1:513] *= 0.95
+    assert redraw_misses(counts, off, 0, budget, runs) > 0, "a 5% bias must be caught"
 
 
 def test_reuse_cap_in_compose_counts_the_fresh_use():
