@@ -490,9 +490,39 @@ def _job_contract(rank: int, world: int, out: dict, uri: str) -> None:
     out["fresh_versions"] = [fr.version, fr.buffer.sampler.t_ref, newest]
 
 
+def _job_mixed_versions_write(rank: int, world: int, out: dict, uri: str) -> None:
+    """3 ranks, max_staleness=1, advance to 2; then rank 1 alone adds one rollout of version 3
+    (its own version moves to 3 and evicts its version-1 rollouts) and the job checkpoints before
+    the next collective advance: ranks 0 and 2 still hold version-1 rollouts, stale at 3."""
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer(capacity=24, checkpoint_uri=uri, checkpoint_interval_s=CKPT_INTERVAL_S,
+                                   sampler=_ckpt_sampler(), max_staleness=1)
+    for v in (1, 2):
+        buf.add(unique_batch(3, version=v, seed=10 * rank + v, first_id=1000 * rank + 100 * v))
+        buf.advance(v)
+    if rank == 1:
+        buf.add(unique_batch(1, version=3, seed=99, first_id=1300))
+    buf.checkpoint()
+    out["version"] = buf.version
+    out["live"] = live_rollouts(buf.buffer)
+    buf.close()
+
+
+def _job_mixed_versions_resume(rank: int, world: int, out: dict, uri: str) -> None:
+    from torchreplay.distributed import DistributedRolloutBuffer
+
+    buf = DistributedRolloutBuffer.from_checkpoint(uri, checkpoint_interval_s=CKPT_INTERVAL_S)
+    out["version"] = buf.version
+    out["live"] = live_rollouts(buf.buffer)
+    out["evicted_staleness"] = buf.metrics()["evicted_staleness"]
+    buf.close()
+
+
 JOBS = {"contract": _job_contract, "main": _job_main, "failures": _job_failures, "ckpt_origin": _job_ckpt_origin,
         "ckpt_to_two": _job_ckpt_to_two, "ckpt_to_three": _job_ckpt_to_three, "tag_write": _job_tag_write,
-        "tag_resume": _job_tag_resume}
+        "tag_resume": _job_tag_resume, "mixed_versions_write": _job_mixed_versions_write,
+        "mixed_versions_resume": _job_mixed_versions_resume}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -789,6 +819,35 @@ def test_a_tagged_cut_resumes_on_the_same_and_on_another_world_size(tmp_path):
         else:
             _same_rollouts([res["live_at_1"] for res in written], [results[0]["live"]])
             assert results[0]["version"] == 1
+
+
+def test_reshard_of_a_cut_with_ranks_at_different_versions_drops_exactly_the_stale_rollouts(tmp_path):
+    """Issue 24 item 6. The cut is taken with rank 1 at version 3 and ranks 0 and 2 at 2
+    (max_staleness=1). Resharded onto 2 ranks, every new rank resumes at version 3, the newest any
+    old rank held, and treats every old rollout alike: exactly those stale at 3 (version 1, on old
+    ranks 0 and 2) are dropped, every other one lands on exactly one new rank with its fields.
+    Before the fix the plan counted the stale rollouts that the import then skipped, and the
+    resume raised "rank 0 imported 1 rollouts from generation 0, planned 6" on one rank."""
+    uri = f"file://{tmp_path}/run"
+    runs = {}
+    for name, job, world in (("write", "mixed_versions_write", 3), ("resume", "mixed_versions_resume", 2)):
+        (tmp_path / name).mkdir()
+        results, codes = run_job(job, world, tmp_path / name, timeout_s=60, job_args={"uri": uri})
+        for r, res in enumerate(results):
+            assert res.get("ok"), f"{name}: rank {r} failed (exit {codes[r]}):\n{res.get('traceback')}"
+        runs[name] = results
+    written, resumed = runs["write"], runs["resume"]
+    assert [res["version"] for res in written] == [2, 3, 2]
+    old = _by_id([res["live"] for res in written])
+    # Rank 1 evicted its own version-1 rollouts when it moved to 3; ranks 0 and 2 still hold theirs.
+    assert sorted(gid for gid, r in old.items() if r["policy_version"] == 1) == [100, 101, 102, 2100, 2101, 2102]
+    survivors = [[r for r in res["live"] if r["policy_version"] >= 3 - 1] for res in written]
+    _same_rollouts(survivors, [res["live"] for res in resumed])
+    assert sorted(_by_id([res["live"] for res in resumed])) == [200, 201, 202, 1200, 1201, 1202, 1300,
+                                                                 2200, 2201, 2202]
+    for res in resumed:
+        assert res["version"] == 3 and len(res["live"]) > 0
+        assert res["evicted_staleness"] == 0  # dropped at import, not imported and then evicted
 
 
 def test_plan_reshard_assigns_every_shard_once_and_balances():

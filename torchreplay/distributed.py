@@ -480,7 +480,9 @@ class DistributedRolloutBuffer:
         share of the old ranks' storage shards (`plan_reshard`), with advantages, policy versions,
         group ids and use counts, sets its policy version to the newest old rank's, and then every
         rank publishes once. Slots, RNG and sampler state are not carried over in that case.
-        Either way every live rollout of the old checkpoint lands on exactly one rank.
+        Either way every live rollout of the old checkpoint lands on exactly one rank, except, when
+        resharding a cut whose ranks were at different versions, the rollouts stale at the newest
+        one (under `max_staleness`): those are dropped on every rank alike (docs/checkpoints.md).
 
         Args:
             uri: the run prefix the old job passed as `checkpoint_uri`; must be the same on every rank.
@@ -554,21 +556,34 @@ class DistributedRolloutBuffer:
                       buffer_kwargs: dict[str, Any], tag: int | str | None = None) -> tuple[RolloutBuffer, float]:
         """Build this rank's shard from its share of generation `source`; returns it and a
         fingerprint of the plan (equal on every rank iff all read the same manifests)."""
-        from torchreplay.checkpoint.restore import buffer_kwargs_from_config, load_state, sampler_from_state
+        from torchreplay.checkpoint.restore import (buffer_kwargs_from_config, live_rows_from_version, load_state,
+                                                    sampler_from_state)
 
         places = [rank_uri(uri, source, o) for o in range(source_world)]
         stores = [open_store(p, endpoint_url) for p in places]
         manifests = [read_manifest(s, tag=tag) for s in stores]
-        live_rows = [[entry["live_rows"] for entry in m["shards"]] for m in manifests]
-        owner = plan_reshard(live_rows, self.world_size)
-        share = [0] * self.world_size
-        for rows, owners in zip(live_rows, owner):
-            for n, r in zip(rows, owners):
-                share[r] += n
+        newest = max(m["policy_version"] for m in manifests)
         state = load_state(stores[0], manifests[0])
         kwargs = {**buffer_kwargs_from_config(state["config"], buffer_kwargs), **buffer_kwargs}
         if kwargs.get("sampler") is None:
             kwargs["sampler"] = sampler_from_state(state)
+        live_rows = [[entry["live_rows"] for entry in m["shards"]] for m in manifests]
+        cap = kwargs.get("max_staleness")
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0:  # else the buffer refuses it below
+            # Every new rank resumes at the newest old version, so rollouts stale there are dropped
+            # on import whichever rank imports them (an old rank behind that version still held
+            # them): plan without them. A rank at the newest version under the recorded cap holds
+            # none, so only the others' tables are read.
+            live_rows = [live_rows_from_version(store, m, newest - cap)
+                         if m["policy_version"] < newest or "max_staleness" in buffer_kwargs else rows
+                         for store, m, rows in zip(stores, manifests, live_rows)]
+        owner = plan_reshard(live_rows, self.world_size)
+        # A shard left with no rollout to import is not downloaded by anyone.
+        owner = [[r if n else -1 for n, r in zip(rows, owners)] for rows, owners in zip(live_rows, owner)]
+        share = [0] * self.world_size
+        for rows, owners in zip(live_rows, owner):
+            for n, r in zip(rows, owners):
+                share[r] += n
         capacity = kwargs.get("capacity")
         if isinstance(capacity, int) and not isinstance(capacity, bool) and max(share) > capacity:
             raise ValueError(f"resharding {sum(share)} rollouts from {source_world} to {self.world_size} ranks puts up "
@@ -579,7 +594,7 @@ class DistributedRolloutBuffer:
             # Every rank starts at the old job's newest version before importing anything: the
             # staleness cap and FreshnessSampler's reference then agree on every rank, whichever
             # shards a rank happens to import (and in whatever order).
-            buffer.advance(max(m["policy_version"] for m in manifests))
+            buffer.advance(newest)
             imported = 0
             for o, place in enumerate(places):
                 mine = owner[o]

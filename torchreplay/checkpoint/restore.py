@@ -301,3 +301,20 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     if not handles:
         return Handles(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
     return Handles(torch.cat([h.slot for h in handles]), torch.cat([h.generation for h in handles]))
+
+
+def live_rows_from_version(store: ObjectStore, manifest: dict[str, Any], oldest_version: int) -> list[int]:
+    """Per shard of `manifest` (in its order), its live rollouts of policy version >= `oldest_version`:
+    what `import_rollouts` takes of it into a buffer whose staleness cap cuts below that version.
+    The state is validated as an import validates it before its table is used."""
+    state = load_state(store, manifest)
+    try:
+        recorded = snapshot.BufferSnapshot.from_state(state)
+        SlotTable(recorded.config.capacity, False).check_state(state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {store.uri}: {exc}") from exc
+    table = state["table"]
+    keep = table["live"] & (table["policy_version"] >= oldest_version)
+    ids, counts = torch.unique(table["chunk"][keep], return_counts=True)
+    fresh = dict(zip(ids.tolist(), counts.tolist()))
+    return [fresh.get(s["id"], 0) for s in manifest["shards"]]
