@@ -214,3 +214,28 @@ def test_pad_to_multiple_of_holds_for_mixed_batches(tmp_path):
     for inputs in losses:
         assert inputs["prompt_ids"].shape[1] % 8 == 0 and inputs["completion_ids"].shape[1] % 8 == 0
         assert inputs["old_per_token_logps"].shape == inputs["completion_mask"].shape == inputs["completion_ids"].shape
+
+
+def test_without_args_the_default_config_is_grpo_trainers(tmp_path, monkeypatch):
+    """Like GRPOTrainer, no `args` builds a default config named after the model (`<name>-GRPO` in the
+    working directory): GRPOConfig's defaults plus replay's. Those defaults ask for bf16, which
+    TrainingArguments refuses on a CPU-only machine (stock GRPOTrainer too), so the test stands in a
+    bf16-capable accelerator."""
+    import transformers.training_args
+    from trl import GRPOTrainer
+    from trl_grpo_replay import arithmetic_dataset, char_tokenizer, make_reward, tiny_model
+
+    from torchreplay.integrations.trl import ReplayGRPOConfig, ReplayGRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda *a, **k: True)
+    tokenizer = char_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "tiny-qwen")
+    dataset, rg = arithmetic_dataset(size=8)
+    common = dict(reward_funcs=make_reward(rg), train_dataset=dataset, processing_class=tokenizer)
+    stock = GRPOTrainer(model="tiny-qwen", **common).args.to_dict()
+    trainer = ReplayGRPOTrainer(model="tiny-qwen", **common)
+    assert isinstance(trainer.args, ReplayGRPOConfig) and trainer.args.output_dir == "tiny-qwen-GRPO"
+    ours = trainer.args.to_dict()
+    assert {k: v for k, v in ours.items() if k in stock} == stock
+    assert ours["replay_ratio"] == 0.5 and ours["replay_sampler"] == "prioritized"

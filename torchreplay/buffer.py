@@ -118,7 +118,7 @@ class RolloutBuffer(Persistence):
 
     @max_reuse.setter
     def max_reuse(self, value: int | None) -> None:
-        self.ledger.max_reuse = check_cap("max_reuse", value)
+        self._release(self.ledger.set_max_reuse(check_cap("max_reuse", value)))  # a lower cap holds from now on
 
     @property
     def storage(self) -> TieredStorage:

@@ -221,6 +221,15 @@ class Ledger:
         unique = torch.unique(slots)
         return self.evict(unique[(self.slots.reuse[unique] >= self.max_reuse) & self.slots.live[unique]], "reuse")
 
+    def set_max_reuse(self, value: int | None) -> Released:
+        """Change the reuse cap; a lower one evicts what has reached it now, as a tighter staleness
+        cap does (a live rollout at the cap could be counted but never read)."""
+        t = self.slots
+        over = (t.live & (t.reuse >= value)).nonzero().flatten() if value is not None else t.live_slots()[:0]
+        released = self.evict(over, "reuse")  # first: the one step that can raise (a sampler hook)
+        self.max_reuse = value
+        return released
+
     def check_uses(self, slots: torch.Tensor) -> None:
         """ValueError unless every slot is live and named no more often than its reuse budget."""
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
@@ -228,7 +237,9 @@ class Ledger:
         if not bool(self.slots.live[slots].all()):
             raise ValueError("slots must name live rollouts")
         if self.max_reuse is not None and slots.numel():
-            if bool((torch.bincount(slots, minlength=self.capacity) > self.max_reuse - self.slots.reuse).any()):
+            # Clamped: a dead slot's count may lie past a cap that was lowered since it died.
+            budget = (self.max_reuse - self.slots.reuse).clamp(min=0)
+            if bool((torch.bincount(slots, minlength=self.capacity) > budget).any()):
                 raise ValueError(f"slots name a rollout more often than its reuse budget (max_reuse {self.max_reuse})")
 
     def carry_reuse(self, slots: torch.Tensor, reuse: torch.Tensor) -> Released:

@@ -334,6 +334,7 @@ class Persistence:
         self.shards.release_all(adopt(self, snapshot.state, rows, lambda sid: shards[sid].store(self.shards),
                                       self.shards.release))
         self.shards.release_all(self.ledger.advance(self.version)[1])  # a state past the cap loses those rollouts now
+        self.shards.release_all(self.ledger.set_max_reuse(self.max_reuse))  # and those at this buffer's reuse cap
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""

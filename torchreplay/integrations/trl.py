@@ -37,6 +37,7 @@ try:
     from trl import GRPOConfig, GRPOTrainer
     from trl import __version__ as trl_version
     from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import get_config_model_id
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("torchreplay.integrations.trl needs TRL: pip install 'torchreplay[trl]'") from exc
 
@@ -92,6 +93,12 @@ class ReplayGRPOConfig(GRPOConfig):
             raise ValueError(f"replay_ratio must be in [0, 1), got {self.replay_ratio}")
         if isinstance(self.replay_sampler, str) and self.replay_sampler not in ("uniform", "prioritized"):
             raise ValueError(f"replay_sampler must be 'uniform', 'prioritized' or a Sampler, got {self.replay_sampler!r}")
+
+
+def default_output_dir(model: Any) -> str:
+    """The output_dir GRPOTrainer gives its default config: `<model name>-GRPO`, in the working directory."""
+    name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return f"{name.split('/')[-1]}-GRPO"
 
 
 def make_sampler(args: ReplayGRPOConfig) -> Sampler:
@@ -166,13 +173,15 @@ class _SaveReplayBuffer(TrainerCallback):
 class ReplayGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with rollout replay; same constructor. `replay_buffer` is its RolloutBuffer."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if not isinstance(config, ReplayGRPOConfig):
-            raise TypeError(f"args must be a ReplayGRPOConfig, got {type(config).__name__}")
+    def __init__(self, model: Any, reward_funcs: Any = None, args: ReplayGRPOConfig | None = None,
+                 *rest: Any, **kwargs: Any) -> None:
+        if args is None:
+            args = ReplayGRPOConfig(default_output_dir(model))
+        if not isinstance(args, ReplayGRPOConfig):
+            raise TypeError(f"args must be a ReplayGRPOConfig, got {type(args).__name__}")
         # Refuse what the config alone rules out before TRL loads models for it.
-        self._check_config(config)
-        super().__init__(*args, **kwargs)
+        self._check_config(args)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_supported()
         self._warn_if_saves_split_rounds()
         self._group_base = 0
