@@ -19,20 +19,22 @@ from torchreplay.assembly import effective_sample_size
 from torchreplay.errors import SchemaError
 from torchreplay.samplers import Sampler
 from torchreplay.schema import check_finite_advantages
-from torchreplay.slots import SlotTable
+from torchreplay.slots import LIMIT, SlotTable, check_int
 
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
 SHORT_POLICIES = ("raise", "truncate")
-MAX_VERSION = 2**62
+MAX_VERSION = LIMIT  # versions lie in [0, 2**62)
 
 Released = list[tuple[int, int]]  # (shard id, rows that died)
 
 
 def check_cap(name: str, value: int | None) -> int | None:
-    """max_staleness (>= 0) and max_reuse (>= 1), or None for no cap."""
+    """max_staleness (0 to 2**62) and max_reuse (1 to 2**62), or None for no cap. A cap above
+    2**62 would be no cap at all (versions and use counts stay below it) and overflow int64 in
+    the budgets computed from it."""
     lowest = 1 if name == "max_reuse" else 0
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
-        raise ValueError(f"{name} must be None or an int >= {lowest}, got {value!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= LIMIT):
+        raise ValueError(f"{name} must be None or an int in [{lowest}, 2**62], got {value!r}")
     return value
 
 
@@ -314,8 +316,14 @@ class Ledger:
         counters = state.get("counters")
         if not isinstance(counters, Mapping) or set(counters) != set(self.counters):
             raise ValueError(f"state 'counters' must have the keys {sorted(self.counters)}")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counters.values()):
-            raise ValueError("state 'counters' must hold numbers")
+        for name, value in counters.items():
+            check_int(f"state counter {name!r}", value, 0, LIMIT)
+        # Statistics of the last batch: nan before the first, else a non-negative float.
+        for name in ("last_ess", "last_replay_weight_mean"):
+            value = state.get(name, math.nan)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not ((isinstance(value, float) and math.isnan(value)) or 0 <= value <= LIMIT):
+                raise ValueError(f"state {name!r} must be nan or a number in [0, 2**62], got {value!r}")
         return table
 
     def adopt(self, table: SlotTable, state: Mapping) -> SlotTable:

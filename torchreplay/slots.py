@@ -17,6 +17,20 @@ import torch
 # Per-rollout fields the table holds (samplers, metrics, batches read them here, not in shards).
 TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
 
+# Every version, count and sequence number a buffer holds stays at most LIMIT, so the sum of any
+# two still fits int64: no increment, age or budget computed from them can wrap. A restored state
+# is held to these ranges before it is adopted (docs/checkpoints.md "What a restore adopts").
+LIMIT = 2**62
+
+
+def check_int(what: str, value: object, low: int, high: int) -> int:
+    """`value` as an int in [low, high] (not a bool), else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{what} must lie in [{low}, {high}], got {value}")
+    return value
+
 
 class SlotTable:
     """Per-slot metadata (CPU tensors of `capacity`), the free stack and the two eviction orders.
@@ -191,9 +205,16 @@ class SlotTable:
             value = table.get(name)
             if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
                 raise ValueError(f"state table[{name!r}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}")
-        for name in ("version", "count", "next_seq"):
-            if isinstance(state.get(name), bool) or not isinstance(state.get(name), int):
-                raise ValueError(f"state {name!r} must be an int")
+        # Inclusive ranges, scalars first: the per-slot columns' bounds use them.
+        for name, low, high in (("version", 0, LIMIT - 1), ("count", 0, self.capacity), ("next_seq", 0, LIMIT)):
+            check_int(f"state {name!r}", state.get(name), low, high)
+        # Columns every slot keeps, live or dead (a dead slot's generation and seq live on).
+        for name, low, high in (("generation", 0, LIMIT), ("seq", -1, state["next_seq"] - 1), ("reuse", 0, LIMIT)):
+            column = table[name]
+            if column.numel() and (int(column.min()) < low or int(column.max()) > high):
+                bad = int(column.min()) if int(column.min()) < low else int(column.max())
+                raise ValueError(f"state table[{name!r}] must lie in [{low}, {high}], got "
+                                 f"{'a negative' if bad < 0 else 'a'} {name} {bad}")
         live = table["live"]
         if int(live.sum()) != state["count"]:
             raise ValueError("state: count disagrees with the live mask")
@@ -204,12 +225,12 @@ class SlotTable:
             raise ValueError("state 'free' names a slot outside the buffer or a live one")
         if free.numel() + state["count"] != self.capacity or torch.unique(free).numel() != free.numel():
             raise ValueError("state: free slots + live rollouts != capacity")
-        if live.any() and int(table["seq"][live].max()) >= state["next_seq"]:
-            raise ValueError("state: a live slot's seq is not below next_seq")
         # Values a buffer never holds: accepted, they would break sampling or the caps later.
         if live.any():
-            if int(table["reuse"][live].min()) < 0:
-                raise ValueError("state: a live slot has a negative reuse count")
+            if int(table["seq"][live].min()) < 0:
+                raise ValueError("state: a live slot has no sequence number (seq -1)")
+            if int(table["prompt_len"][live].min()) < 0 or int(table["prompt_len"][live].max()) > LIMIT:
+                raise ValueError(f"state table['prompt_len']: a live slot's prompt length is outside [0, {LIMIT}]")
             if not bool(torch.isfinite(table["advantage"][live]).all()):
                 raise ValueError("state: a live slot has a non-finite advantage")
             versions = table["policy_version"][live]

@@ -161,6 +161,31 @@ class BufferConfig:
         return {k: as_json[k] for k in ("capacity", "ref_logprobs", "routing", "extra_fields", "token_dtype")}
 
 
+def check_int64(state: Mapping[str, Any]) -> None:
+    """ValueError naming the first plain int (JSON number) of a buffer state that does not fit
+    int64.
+
+    Every integer a restore reads outside the tensors passes here first, whatever part of the
+    buffer's state it sits in: once adopted it meets int64 arithmetic, where it would wrap or raise
+    OverflowError calls later. Fields with a narrower documented range (versions, sequence numbers,
+    caps, counters) are then held to it where they are checked (`SlotTable.check_state`,
+    `Ledger.check_state`, `BufferConfig`). The sampler's config and state are the sampler's own
+    to validate (its constructor and `load_state_dict`): a live sampler may hold any int its
+    constructor accepts, and its checkpoint must restore."""
+    parts = {k: v for k, v in state.items() if k not in ("sampler", "chunks")}
+    if isinstance(parts.get("config"), Mapping):
+        parts["config"] = {k: v for k, v in parts["config"].items() if k != "sampler"}
+    stack: list[tuple[Any, str]] = [(parts, "state")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, Mapping):
+            stack.extend((value, f"{path}[{key!r}]") for key, value in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
+        elif isinstance(node, int) and not isinstance(node, bool) and not -(2**63) <= node < 2**63:
+            raise ValueError(f"{path} = {node} does not fit int64")
+
+
 def _field_from_json(name: str, spec: Any) -> FieldSpec:
     if not isinstance(spec, Mapping) or spec.get("dtype") not in DTYPES or spec.get("kind") not in (TOKEN, ROLLOUT):
         raise ValueError(f"buffer config extra field {name!r}: malformed spec {spec!r}")
@@ -246,6 +271,7 @@ class BufferSnapshot:
         its config or slot table cannot be read; `adopt` validates the rest)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        check_int64(state)
         config = BufferConfig.from_json(state.get("config"), extra_fields=extra_fields)
         # The table must hold exactly `capacity` slots before anything is built for that capacity:
         # a config may claim any capacity, the tensors are what the state really carries.
@@ -503,6 +529,7 @@ def adopt(buffer: "RolloutBuffer", state: Mapping[str, Any], chunk_rows: dict[in
     the stored chunks' rows that no live slot names, for the caller to release."""
     if state.get("format_version") not in READABLE_STATE_VERSIONS:
         raise ValueError(f"state format_version {state.get('format_version')!r} is not one of {READABLE_STATE_VERSIONS}")
+    check_int64(state)  # a snapshot built by hand has not been through from_state
     try:
         layout = BufferConfig.from_json(state.get("config"), extra_fields=buffer.settings.extra_fields).layout()
     except (TypeError, ValueError) as exc:

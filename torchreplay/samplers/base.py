@@ -251,8 +251,10 @@ class TreeSampler:
         if state.get("config") != self.config():
             raise ValueError(f"sampler config differs: saved {state.get('config')}, this sampler {self.config()}")
         version = state.get("version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise ValueError(f"sampler state 'version' must be an int or None, got {version!r}")
+        # A buffer's versions lie in [0, 2**62) (docs/concepts.md); the sampler's is one of them.
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                    or not 0 <= version < 2**62):
+            raise ValueError(f"sampler state 'version' must be None or an int in [0, 2**62), got {version!r}")
         self.tree.load_state_dict(state["tree"])
         self._version = version
 

@@ -129,8 +129,8 @@ class FreshnessSampler(PrioritizedSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         t_ref = state.get("t_ref")
-        if isinstance(t_ref, bool) or not isinstance(t_ref, int):
-            raise ValueError(f"FreshnessSampler state 't_ref' must be an int, got {t_ref!r}")
+        if isinstance(t_ref, bool) or not isinstance(t_ref, int) or not 0 <= t_ref < 2**62:
+            raise ValueError(f"FreshnessSampler state 't_ref' must be a version, an int in [0, 2**62), got {t_ref!r}")
         self.t_ref = t_ref
 
 

@@ -1,0 +1,163 @@
+"""Restores that adopted what they should have refused, or broke the buffer after (issue 24,
+items 3-5): integers past their documented range, a shard key pointed at another shard's object,
+and a lazily restored shard whose object vanished."""
+
+import json
+
+import pytest
+import torch
+
+import torchreplay as tr
+from rollouts import make_batch
+from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
+from torchreplay.checkpoint import tensorfile
+from torchreplay.checkpoint.restore import load_state
+from torchreplay.checkpoint.store import FileStore
+from torchreplay.errors import CheckpointError
+
+BIG = 10**30
+
+
+def write_checkpoint(tmp_path, sampler=None, adds=1, rows=6):
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, sampler=sampler, checkpoint=Checkpointer(uri, interval_s=3600), seed=0,
+                           max_staleness=8, max_reuse=4)
+    for i in range(adds):
+        buf.add(make_batch(rows, version=1, seed=i, min_len=5, max_len=5))
+    buf.sample(4)
+    buf.close()
+    return tmp_path / "ckpt", uri
+
+
+def manifest_path(root):
+    return root / json.loads((root / "LATEST").read_text())["manifest"]
+
+
+def forge_state(root, edit):
+    """Rewrite the newest state object through `edit(state)` (in place), keeping the manifest
+    consistent: the forger controls every file, so only the restore's own checks stand."""
+    store = open_store(f"file://{root}")
+    manifest = read_manifest(store)
+    state = load_state(store, manifest)
+    edit(state)
+    text, blob = tensorfile.pack(state)
+    (root / manifest["state"]["json"]).write_bytes(text)
+    (root / manifest["state"]["blob"]).write_bytes(blob)
+    manifest["state"].update(json_bytes=len(text), blob_bytes=len(blob))
+    manifest_path(root).write_text(json.dumps(manifest))
+
+
+def set_path(path, value):
+    def edit(state):
+        *parents, last = path
+        node = state
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return edit
+
+
+def set_table(name, value, live_only=True):
+    def edit(state):
+        table = state["table"]
+        where = table["live"] if live_only else torch.ones_like(table["live"])
+        table[name] = torch.where(where, torch.tensor(value, dtype=table[name].dtype), table[name])
+    return edit
+
+
+# (what is forged, the edit, the field the error must name)
+OUT_OF_RANGE = [
+    ("version 2**63", set_path(["version"], 2**63), "version"),
+    ("version 2**62 (past the documented 2**62 - 1)", set_path(["version"], 2**62), "version"),
+    ("next_seq 10**30", set_path(["next_seq"], BIG), "next_seq"),
+    ("next_seq 2**63 - 1 (fits int64, overflows the next add)", set_path(["next_seq"], 2**63 - 1), "next_seq"),
+    ("max_reuse 10**30", set_path(["config", "max_reuse"], BIG), "max_reuse"),
+    ("max_staleness 10**30", set_path(["config", "max_staleness"], BIG), "max_staleness"),
+    ("capacity 2**63", set_path(["config", "capacity"], 2**63), "capacity"),
+    ("a counter 10**30", set_path(["counters", "added"], BIG), "added"),
+    ("a negative counter", set_path(["counters", "evicted_reuse"], -1), "evicted_reuse"),
+    ("a counter that is nan", set_path(["counters", "sample_calls"], float("nan")), "sample_calls"),
+    ("last_ess 10**400", set_path(["last_ess"], 10**400), "last_ess"),
+    ("the sampler's version 2**63", set_path(["sampler", "version"], 2**63), "version"),
+    ("generation 2**63 - 1 (wraps at the next insert)", set_table("generation", 2**63 - 1, live_only=False),
+     "generation"),
+    ("reuse 2**63 - 1", set_table("reuse", 2**63 - 1), "reuse"),
+]
+
+
+@pytest.mark.parametrize("what, edit, field", OUT_OF_RANGE, ids=[case[0] for case in OUT_OF_RANGE])
+def test_integers_out_of_range_are_refused_before_adoption(tmp_path, what, edit, field):
+    """Each used to restore (`version = 2**63` gave ages of -2**63; `next_seq`/`max_reuse` at
+    10**30 made the next add or sample raise OverflowError), or to escape as OverflowError."""
+    root, uri = write_checkpoint(tmp_path)
+    forge_state(root, edit)
+    with pytest.raises(CheckpointError, match=field):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
+    with pytest.raises(CheckpointError, match=field):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False, lazy=True, storage=storage)
+
+
+def test_state_dict_integers_out_of_range_are_a_value_error_naming_the_field():
+    buf = tr.RolloutBuffer(16, seed=0, max_reuse=4)
+    buf.add(make_batch(6, version=1))
+    before = buf.state_dict()
+    for path, value in ((["version"], 2**63), (["next_seq"], BIG), (["config", "max_reuse"], BIG),
+                        (["counters", "added"], BIG)):
+        state = buf.state_dict()
+        set_path(path, value)(state)
+        with pytest.raises(ValueError, match=path[-1]):
+            buf.load_state_dict(state)
+    after = buf.state_dict()
+    assert after["version"] == before["version"] and after["next_seq"] == before["next_seq"]
+    assert len(buf) == 6 and len(buf.sample(4)) == 4
+
+
+@pytest.mark.parametrize("t_ref", [2**63, 2**62])
+def test_freshness_sampler_reference_version_is_bounded(tmp_path, t_ref):
+    root, uri = write_checkpoint(tmp_path, sampler=tr.FreshnessSampler(tau=4.0))
+    forge_state(root, set_path(["sampler", "t_ref"], t_ref))
+    with pytest.raises(CheckpointError, match="t_ref"):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+
+
+def test_integers_at_the_top_of_their_range_still_restore(tmp_path):
+    """The bounds are not off by one: the largest documented values restore and keep working."""
+    root, uri = write_checkpoint(tmp_path)
+    top = 2**62 - 1
+
+    def edit(state):
+        state["version"] = top
+        state["next_seq"] = 2**62 - 8  # room for the 6-row add below
+        state["config"]["max_reuse"] = 2**62
+        state["config"]["max_staleness"] = 2**62
+        state["counters"]["added"] = 2**62
+        table = state["table"]
+        table["policy_version"] = torch.where(table["live"], torch.tensor(top - 3), table["policy_version"])
+    forge_state(root, edit)
+    buf = tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    assert buf.version == top and buf.max_reuse == 2**62
+    assert buf.sample(4).age.tolist() == [3, 3, 3, 3]
+    buf.add(make_batch(2, version=top, seed=5))
+    assert len(buf) == 8
+    buf.close()
+
+
+def test_a_sampler_config_int_past_int64_is_the_samplers_to_judge(tmp_path):
+    """The int64 bound covers the buffer's own state; a sampler's config is its constructor's to
+    validate, so a buffer that a live constructor accepted restores (GroupSampler takes any
+    per_group >= 1)."""
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, sampler=tr.GroupSampler(per_group=2**64), checkpoint=Checkpointer(uri), seed=0)
+    buf.add(make_batch(6, version=1))
+    buf.close()
+    restored = tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    assert restored.sampler.per_group == 2**64 and len(restored.sample(4)) == 4
+    restored.close()
+
+
+def test_caps_beyond_the_documented_range_are_refused_at_construction():
+    for name in ("max_reuse", "max_staleness"):
+        with pytest.raises(ValueError, match=name):
+            tr.RolloutBuffer(4, **{name: 2**62 + 1})
+        tr.RolloutBuffer(4, **{name: 2**62}).close()
