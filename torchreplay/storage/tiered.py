@@ -223,6 +223,8 @@ class TieredStorage:
         device_policy: the same choice for the device tier.
         compact_below: a shard whose live fraction falls below this is rewritten by the buffer.
         direct: open shard files with O_DIRECT (POSIX back end).
+        compact_min_rows: only shards of at least this many rows are compacted: rewriting a small
+            shard's few survivors costs a file per call and frees little.
         io_threads: threads doing pread/pwrite.
         pin_memory: pin hot copies (default: when CUDA is available).
     """
@@ -241,6 +243,7 @@ class TieredStorage:
         io_threads: int = 4,
         pin_memory: bool | None = None,
     ) -> None:
+        compact_min_rows: int = 16,
         if hot_bytes is not None and (isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0):
             raise ValueError(f"hot_bytes must be None or an int >= 0, got {hot_bytes!r}")
         if hot_bytes is not None and spill_dir is None:
@@ -250,6 +253,10 @@ class TieredStorage:
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
         policy = _make_policy(policy, "policy")
+        if isinstance(compact_min_rows, bool) or not isinstance(compact_min_rows, int):
+            raise TypeError(f"compact_min_rows must be an int, got {type(compact_min_rows).__name__}")
+        if compact_min_rows < 1:
+            raise ValueError(f"compact_min_rows must be >= 1, got {compact_min_rows}")
         device_policy = _make_policy(device_policy, "device_policy")
         if device_policy is policy:
             raise ValueError("device_policy must be its own HotPolicy object, not the host tier's")
@@ -263,6 +270,7 @@ class TieredStorage:
         self._device_used = 0
         self.compact_below = compact_below
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.compact_min_rows = compact_min_rows
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         self.io: IOBackend | None = None
         if self.spill_dir is not None:
@@ -543,7 +551,8 @@ class TieredStorage:
     def compaction_candidates(self) -> list[int]:
         if self.compact_below <= 0:
             return []
-        return [s.id for s in self._shards.values() if s.n >= 16 and s.live_rows / s.n < self.compact_below]
+        return [s.id for s in self._shards.values()
+                if s.n >= self.compact_min_rows and s.live_rows / s.n < self.compact_below]
 
     # ----------------------------------------------------------------------------------- reads
     def pin_shards(self, shard_ids: Iterable[int]) -> None:
