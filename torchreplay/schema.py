@@ -7,6 +7,7 @@ loop over rollouts in Python. Validation runs on the whole batch before the buff
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -114,6 +115,66 @@ def _dtype_ok(spec: FieldSpec, dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _rollout_of(index: int, values: torch.Tensor, offsets: torch.Tensor | None) -> int:
+    """The rollout holding flat element `index` of a token field's values (offsets given) or of a
+    rollout field's [n, ...] rows."""
+    row = index // max(1, math.prod(values.shape[1:]))
+    return row if offsets is None else int(torch.searchsorted(offsets, torch.tensor(row), right=True)) - 1
+
+
+def _computable(name: str, values: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """`values` in a dtype torch can compare and reduce, holding the same numbers: uint16/32/64
+    (no CPU comparisons or reductions) as int64, float8 (no sums or isfinite) as float32. Both are
+    exact; a uint64 value past int64 is refused, naming the field."""
+    if values.dtype in _WIDE_UNSIGNED:
+        wide = values.to(torch.int64)
+        if values.dtype == torch.uint64 and values.numel():
+            past = wide < 0  # the values >= 2**63, wrapped by the conversion
+            if bool(past.any()):
+                first = _first_bad(past.reshape(-1))
+                raise SchemaError(f"field {name!r}, rollout {_rollout_of(first, values, offsets)}: value "
+                                  f"{int(wide.reshape(-1)[first]) + 2**64} does not fit int64")
+        return wide
+    if values.is_floating_point() and values.element_size() == 1:
+        return values.to(torch.float32)
+    return values
+
+
+def _check_fits(name: str, values: torch.Tensor, dtype: torch.dtype, offsets: torch.Tensor | None = None) -> None:
+    """SchemaError naming the field unless converting `values` to the stored `dtype` keeps every
+    value in range: an integer past the dtype's range would wrap, a finite float past it would
+    become inf. Costs one min/max, and only where the input dtype reaches past the stored one."""
+    if values.dtype == dtype or values.numel() == 0 or dtype == torch.bool:
+        return
+    source = torch.finfo(values.dtype) if values.is_floating_point() else torch.iinfo(values.dtype)
+    if dtype.is_floating_point:
+        if source.max <= torch.finfo(dtype).max:
+            return
+        lo, hi = torch.aminmax(values)
+        if bool(torch.isfinite(torch.stack([lo, hi]).to(dtype)).all()):
+            return  # rounding is monotonic: the extremes fit, so does everything between
+        bad = torch.isfinite(values) & ~torch.isfinite(values.to(dtype))  # NaN/inf stay what they were
+        limit = f"the range of {dtype}"
+    else:
+        info = torch.iinfo(dtype)
+        if not values.is_floating_point() and info.min <= source.min and source.max <= info.max:
+            return
+        lo, hi = (float(x) if values.is_floating_point() else int(x) for x in torch.aminmax(values))
+        if info.min <= lo and hi <= info.max:
+            return
+        bad = (values < info.min) | (values > info.max)
+        limit = f"{dtype}'s range [{info.min}, {info.max}]"
+    if not bool(bad.any()):
+        return
+    first = _first_bad(bad.reshape(-1))
+    value = values.reshape(-1)[first].item()
+    raise SchemaError(f"field {name!r}, rollout {_rollout_of(first, values, offsets)}: value {value!r} is "
+                      f"outside {limit}, the stored dtype")
+
+
 def _ragged(name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize a ragged field to (values, offsets)."""
     if isinstance(value, torch.Tensor) and value.is_nested:
@@ -206,6 +267,7 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
             count = offsets.numel() - 1
             if values.numel() and not _dtype_ok(spec, values.dtype):
                 raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {values.dtype}")
+            values = _computable(name, values, offsets)
             if tuple(values.shape[1:]) != spec.shape and values.shape[0] > 0:
                 raise SchemaError(
                     f"field {name!r}: each token row must have shape {spec.shape}, got {tuple(values.shape[1:])}"
@@ -216,6 +278,8 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
             token[name] = values
         else:
             if name == "policy_version" and isinstance(value, int) and not isinstance(value, bool):
+                if not -(2**63) <= value < 2**63:
+                    raise SchemaError(f"field 'policy_version': {value} does not fit int64")
                 value = torch.tensor([value])  # broadcast below once n is known
             if not isinstance(value, torch.Tensor):
                 if isinstance(value, (list, tuple)):
@@ -227,6 +291,7 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
                     raise SchemaError(f"field {name!r}: expected a tensor, got {type(value).__name__}")
             if value.numel() and not _dtype_ok(spec, value.dtype):
                 raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {value.dtype}")
+            value = _computable(name, value)
             if value.dim() == 0 and name == "policy_version":
                 value = value.reshape(1)
             if value.dim() == 0 or tuple(value.shape[1:]) != spec.shape:
@@ -239,8 +304,8 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
             n = count
         elif count != n:
             raise SchemaError(f"field {name!r}: has {count} rollouts, other fields have {n}")
-    if n is None:
-        raise SchemaError("empty batch")
+    if not n:
+        raise SchemaError("field 'tokens': the batch holds no rollouts (every field is empty)")
     if rollout["policy_version"].shape[0] == 1 and n != 1:
         rollout["policy_version"] = rollout["policy_version"].expand(n).clone()
     elif rollout["policy_version"].shape[0] != n:
@@ -293,13 +358,6 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
         raise SchemaError(
             f"field 'prompt_len', rollout {i}: must be in [0, {int(lengths[i])}] (the token count), got {int(prompt_len[i])}"
         )
-    if fields["tokens"].dtype == torch.int32 and token["tokens"].dtype != torch.int32 and token["tokens"].numel():
-        tok = token["tokens"]
-        lo, hi = (int(x) for x in torch.aminmax(tok))
-        if lo < -(2**31) or hi >= 2**31:
-            bad = ((tok < -(2**31)) | (tok >= 2**31)).nonzero()[0, 0]
-            i = int(torch.searchsorted(offsets, bad, right=True)) - 1
-            raise SchemaError(f"field 'tokens', rollout {i}: id outside the int32 range of token_dtype")
     if "routing" in token:
         spec = fields["routing"]
         routing = token["routing"]
@@ -308,6 +366,11 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
             bad = ((routing < 0) | (routing > hi)).reshape(routing.shape[0], -1).any(dim=1)
             i = int(torch.searchsorted(offsets, torch.tensor(_first_bad(bad)), right=True)) - 1
             raise SchemaError(f"field 'routing', rollout {i}: expert id outside [0, {hi}]")
+    for name, spec in fields.items():
+        if name in token and name != "routing":  # routing's ids were held to [0, its dtype's max]
+            _check_fits(name, token[name], spec.dtype, offsets)
+        elif name in rollout:
+            _check_fits(name, rollout[name], spec.dtype)
 
     # The stored batch owns its memory: a tensor still backed by the caller's storage (the packed
     # form, a rollout field already in the right dtype) is copied once here, so a caller that reuses

@@ -174,15 +174,17 @@ class SegmentTree:
         same batch. Stratified: sample k uses (k + u_k) / B, so the batch covers the whole range
         evenly and comes back sorted by index.
         """
-        if u is None and self._on_cpu and type(batch_size) is int and batch_size >= 0:
+        if type(stratified) is not bool:
+            raise TypeError(f"stratified must be a bool, got {type(stratified).__name__}")
+        if u is None and self._on_cpu and type(batch_size) is int and 0 <= batch_size < 1 << 63:
             # The common CPU call: the op validates the tree itself.
             seed = int(torch.randint(0, 1 << 62, (), generator=generator))
             return _tree_sample_seeded(self._leaves, self._sums, seed, batch_size, self.capacity, stratified)
         if u is None:
             if batch_size is None:
                 raise ValueError("sample needs batch_size or u")
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-                raise ValueError(f"batch_size must be a non-negative int, got {batch_size!r}")
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 0 <= batch_size < 1 << 63:
+                raise ValueError(f"batch_size must be an int in [0, 2**63), got {batch_size!r}")
             u = torch.rand(batch_size, dtype=torch.float64, device=self.device, generator=generator)
         else:
             if not isinstance(u, torch.Tensor):

@@ -200,7 +200,9 @@ class TreeSampler:
                 set_aside((self.slots.live & (remaining <= 0)).nonzero().flatten())
             # One more device read, so only for the normalization that uses it.
             drawable_min = float(self.tree.min()) if self.weight_norm == "buffer_max" and self.beta else math.nan
-            need = n
+            # No more rows than the budgets left can come back, so a count past them (compose's
+            # n_replay=2**40 under a reuse cap) draws what fits instead of allocating n uniforms.
+            need = n if remaining is None else min(n, int(remaining.sum(dtype=torch.float64)))
             while need > 0 and float(self.tree.total()) > 0:
                 u = torch.rand(need, dtype=torch.float64, generator=generator)
                 slots, prio = self.tree.sample(u=u.to(self.tree.device))

@@ -50,7 +50,8 @@ def sampler_from_state(state: Mapping[str, Any]) -> Sampler:
     ValueError names what is wrong."""
     if not isinstance(state, Mapping):
         raise ValueError("sampler state must be a mapping with 'type' and 'config'")
-    cls = _REGISTRY.get(state.get("type"))
+    name = state.get("type")
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"sampler {state.get('type')!r} is not registered: pass sampler=... to restore "
                          f"(or register_sampler it); registered: {sorted(_REGISTRY)}")

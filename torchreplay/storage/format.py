@@ -229,8 +229,11 @@ def parse_header(head: bytes, file_bytes: int, max_rows: int = MAX_ROWS) -> Shar
         raise StorageError(f"shard header claims {n} rows, more than the {max_rows} allowed")
     if meta.get("file_bytes") != file_bytes:
         raise StorageError(f"shard file is {file_bytes} bytes, header says {meta.get('file_bytes')!r}")
+    entries = meta.get("fields")
+    if not isinstance(entries, list):
+        raise StorageError(f"shard header 'fields' must be a list of field entries, got {entries!r:.80}")
     blocks: dict[str, BlockInfo] = {}
-    for f in meta.get("fields", []):
+    for f in entries:
         try:
             name, kind, dtype = str(f["name"]), f["kind"], DTYPES[f["dtype"]]
             shape = tuple(int(d) for d in f["shape"])
