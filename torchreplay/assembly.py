@@ -143,6 +143,20 @@ class PendingBatch:
         return batch if self._device is None else batch.to(self._device)
 
 
+def check_device(device: torch.device | str | int | None) -> None:
+    """Refuse a `device` no tensor can be put on (ValueError naming it; TypeError for a value that
+    is no device at all). The calls that take one check it first, before they draw or count
+    anything: moving the finished batch there is their last step."""
+    if device is None:
+        return
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, a str or an int, got {type(device).__name__}")
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, AssertionError, ValueError) as exc:  # unknown type, no such GPU, no CUDA build
+        raise ValueError(f"device {device!r} cannot hold a batch here: {exc}") from exc
+
+
 def effective_sample_size(weights: torch.Tensor) -> float:
     """ESS of IS weights as a fraction of their count (1.0: all equal; nan for no weights)."""
     if weights.numel() == 0:

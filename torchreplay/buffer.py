@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat
+from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, check_device, concat
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
 from torchreplay.padded import from_padded
@@ -150,10 +150,16 @@ class RolloutBuffer(Persistence):
         A newer policy_version moves the buffer's version (evicting what that makes stale).
         Nothing changes unless the whole call succeeds.
         """
-        packed = validate_batch(batch, self.fields, copy=self.storage.copy_in)
-        self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
-        self.shards.tick()
-        return self._insert(packed)
+        # Copied into the host pool tentatively: a refused batch's memory and counts go back.
+        with self.storage.host_pool.tentative():
+            packed = self._validate(batch)
+            self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
+            self.shards.tick()
+            return self._insert(packed)
+
+    def _validate(self, batch: Any) -> PackedBatch:
+        """`validate_batch`, with the caller's token data copied into storage's recycled memory."""
+        return validate_batch(batch, self.fields, copy=self.storage.copy_in, concat=self.storage.concat_in)
 
     def add_padded(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, logprobs: torch.Tensor, **rollout: Any) -> Handles:
@@ -228,6 +234,7 @@ class RolloutBuffer(Persistence):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         check_short(if_short)
+        check_device(device)
         if len(self) == 0:
             raise ValueError("cannot sample: the buffer is empty")
         self.shards.tick()
@@ -239,7 +246,8 @@ class RolloutBuffer(Persistence):
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
         plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
                                    self.version, self.assembler.home_for(device), _reuse)
-        future = self.assembler.start(plan, inline=_inline)
+        with self.storage.reads.deferred() as reads:  # an inline read counts once the call succeeds
+            future = self.assembler.start(plan, inline=_inline)
         failed = future.exception() if _inline else None
         if failed is not None and not isinstance(failed, CorruptRows):
             generator.set_state(state)  # nothing was returned: no use is counted, nothing changed
@@ -249,6 +257,7 @@ class RolloutBuffer(Persistence):
             self.ledger.counters["sampled_replay"] += slots.numel()
             self.ledger.counters["sample_calls"] += 1
             self._record_use(slots, weights, weights)
+            self.storage.reads.commit(reads)
 
         def redraw(exc: CorruptRows) -> ReplayBatch:
             self._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
@@ -265,17 +274,20 @@ class RolloutBuffer(Persistence):
         StorageError."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise TypeError("slots must be a 1-D int64 tensor")
+        check_device(device)
         slots = slots.cpu()
         self.ledger.check_uses(slots if count_use else torch.unique(slots))
         n = slots.numel()
         plan = self.assembler.plan(self.slots, slots, torch.ones(n) if weights is None else weights,
                                    torch.zeros(n, dtype=torch.bool), self.version, self.assembler.home_for(device))
-        try:
-            batch = self.assembler.materialize(plan)
-        except CorruptRows as exc:
-            self._evict_corrupt(exc, always_raise=True)
+        with self.storage.reads.deferred() as reads:
+            try:
+                batch = self.assembler.materialize(plan)
+            except CorruptRows as exc:
+                self._evict_corrupt(exc, always_raise=True)
         if count_use:
             self._record_use(slots, weights, weights)
+        self.storage.reads.commit(reads)
         return batch if device is None else batch.to(device)
 
     def prefetching(self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
@@ -306,7 +318,17 @@ class RolloutBuffer(Persistence):
         `multiple_of`; "raise" raises ValueError. On any error `fresh` has not been added and
         nothing changed, except that unreadable rollouts are evicted (see `on_corrupt`)."""
         check_short(if_short)
-        packed = validate_batch(fresh, self.fields, copy=self.storage.copy_in)
+        check_device(device)
+        # A refused or failed compose leaves every counter as it was: the fresh copy goes back to
+        # the host pool, and the replayed rows' reads count only once the call has succeeded.
+        with self.storage.host_pool.tentative(), self.storage.reads.deferred() as reads:
+            out = self._compose(fresh, replay_ratio, n_replay, multiple_of, generator, if_short)
+        self.storage.reads.commit(reads)
+        return out if device is None else out.to(device)
+
+    def _compose(self, fresh: Any, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None,
+                 generator: torch.Generator | None, if_short: str) -> ReplayBatch:
+        packed = self._validate(fresh)
         count = replay_count(packed.n, replay_ratio, n_replay, multiple_of)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self.shards.tick()
@@ -336,7 +358,7 @@ class RolloutBuffer(Persistence):
         self.ledger.counters["sampled_fresh"] += packed.n
         self.ledger.counters["sample_calls"] += 1
         self.ledger.counters["sampled_replay"] += len(out) - packed.n
-        return out if device is None else out.to(device)
+        return out
 
     def _draw_replay(self, count: int, generator: torch.Generator, version: int, if_short: str, n_fresh: int,
                      multiple: int) -> ReplayBatch | None:

@@ -175,11 +175,12 @@ def _check_fits(name: str, values: torch.Tensor, dtype: torch.dtype, offsets: to
                       f"outside {limit}, the stored dtype")
 
 
-def _ragged(name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalize a ragged field to (values, offsets)."""
+def _ragged(name: str, value: Any, concat: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize a ragged field to (values, offsets); a list's rows are joined with `concat`."""
     if isinstance(value, torch.Tensor) and value.is_nested:
         parts = list(value.unbind())
-        return _ragged(name, parts)
+        return _ragged(name, parts, concat)
     if isinstance(value, Mapping):
         if set(value) != {"values", "offsets"}:
             raise SchemaError(f"field {name!r}: a packed ragged field needs exactly 'values' and 'offsets'")
@@ -214,7 +215,7 @@ def _ragged(name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
         offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        return torch.cat([p.detach().cpu() for p in parts]), offsets
+        return concat([p.detach().cpu() for p in parts]), offsets
     raise SchemaError(
         f"field {name!r}: a ragged field must be a list of tensors, a nested tensor or "
         f"{{'values', 'offsets'}}, got {type(value).__name__}"
@@ -240,11 +241,13 @@ def to_mapping(batch: Any) -> Mapping[str, Any]:
 
 
 def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
-                   copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedBatch:
+                   copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   concat: Callable[[list[torch.Tensor]], torch.Tensor] | None = None) -> PackedBatch:
     """Validate and pack a batch. Raises SchemaError naming field, rollout and problem.
 
     The result owns its memory: a token field still backed by the caller's storage is copied with
-    `copy` (default: clone), a rollout field is cloned."""
+    `copy` (default: clone), a list of rows is joined with `concat` (default: torch.cat), a
+    rollout field is cloned."""
     batch = to_mapping(batch)
     unknown = set(batch) - set(fields)
     if unknown:
@@ -263,7 +266,7 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
             continue
         value = batch[name]
         if spec.kind == TOKEN:
-            values, offsets = _ragged(name, value)
+            values, offsets = _ragged(name, value, concat or torch.cat)
             count = offsets.numel() - 1
             if values.numel() and not _dtype_ok(spec, values.dtype):
                 raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {values.dtype}")

@@ -26,6 +26,7 @@ from torchreplay.errors import StorageError
 from torchreplay.schema import PackedBatch
 from torchreplay.storage import format as fmt
 from torchreplay.storage.io import PAGE_BAD, READ_CHECKSUM, READ_OPEN, READ_SHORT, IOBackend, make_io, storage_error
+from torchreplay.storage.reads import ReadCounts
 from torchreplay.storage.recycle import HostPool
 
 log = logging.getLogger("torchreplay.storage")
@@ -295,6 +296,7 @@ class TieredStorage:
                          "spilled_bytes": 0, "dropped_hot": 0, "deleted_shards": 0, "corrupt_rows": 0,
                          "compactions": 0, "fetched_shards": 0, "device_hits": 0, "device_dropped": 0,
                          "device_staged_bytes": 0}
+        self.reads = ReadCounts(self.counters)  # hot hits, cold reads: held back by a call until it succeeds
 
     # ------------------------------------------------------------------------------- lifecycle
     @property
@@ -325,6 +327,10 @@ class TieredStorage:
         """A copy of caller data for a shard, in recycled host memory when some fits (HostPool)."""
         return self.host_pool.copy_in(t)
 
+    def concat_in(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Caller tensors concatenated for a shard, in recycled host memory when some fits."""
+        return self.host_pool.concat_in(parts)
+
     def put(self, batch: PackedBatch) -> int:
         """Store a batch as a new sealed shard; returns its id. Hot first, written through if tiered."""
         self.check()
@@ -335,6 +341,7 @@ class TieredStorage:
         shard = _Shard(id=next(self._ids), n=batch.n, offsets=batch.offsets, rollout=dict(batch.rollout),
                        token=token, token_bytes=token_bytes, live_rows=batch.n, token_fields=tuple(token))
         self._shards[shard.id] = shard
+        self.host_pool.stored(batch.token.values())  # the shard holds them now, whatever fails later
         self._hot_bytes += token_bytes
         self.policy.added(shard.id)
         self.optional_fields.update(token, batch.rollout)
@@ -586,7 +593,7 @@ class TieredStorage:
 
     def _hot_batch(self, shard: _Shard, token: dict[str, torch.Tensor]) -> PackedBatch:
         """A hot shard as a batch of itself (no copy), counted as a hit and touched for the policy."""
-        self.counters["hot_hits"] += 1
+        self.reads.add("hot_hits", 1)
         self.policy.touched(shard.id)
         return PackedBatch(n=shard.n, offsets=shard.offsets, token=token, rollout=shard.rollout)
 
@@ -613,7 +620,7 @@ class TieredStorage:
         for i, (shard, token, device_token) in enumerate(zip(shards, tokens, device_tokens)):
             if device_token is not None:
                 source_of_shard[i] = len(sources)
-                self.counters["device_hits"] += 1
+                self.reads.add("device_hits", 1)
                 self.device_policy.touched(shard.id)
                 self.policy.touched(shard.id)  # in use: worth keeping hot for when the device copy goes
                 if device.type == "cuda":
@@ -763,9 +770,9 @@ class TieredStorage:
         failures: dict[int, CorruptRows] = {}
         for i, shard in enumerate(shards):
             got = mine.get(i, [])
-            self.counters["cold_reads"] += 1
-            self.counters["cold_bytes_read"] += sum(st[2] for _, st in got)
-            self.counters["cold_requests"] += sum(st[3] for _, st in got)
+            self.reads.add("cold_reads", 1)
+            self.reads.add("cold_bytes_read", sum(st[2] for _, st in got))
+            self.reads.add("cold_requests", sum(st[3] for _, st in got))
             failed = next(((name, st) for name, st in got if st[0] >= READ_SHORT), None)
             if failed is not None:
                 # A vanished, unreadable or truncated file takes every rollout in it.
@@ -841,16 +848,16 @@ class TieredStorage:
             # batch's gathers, the trainer's freed tensors): let them finish first.
             torch.cuda.current_stream(device).synchronize()
         got = self.io.read_spans(spans, staging) if spans else []
-        self.counters["cold_reads"] += len(shards)
+        self.reads.add("cold_reads", len(shards))
         for (path, _, nbytes, _), owner, result in zip(spans, span_owner, got):
-            self.counters["cold_requests"] += 1
+            self.reads.add("cold_requests", 1)
             if isinstance(result, OSError):
                 reason = str(storage_error(result, "cannot read shard", path))
             elif result != nbytes:
                 reason = f"short read from {path}: {result} of {nbytes} bytes (truncated file?)"
             else:
-                self.counters["cold_bytes_read"] += nbytes
-                self.counters["device_staged_bytes"] += nbytes
+                self.reads.add("cold_bytes_read", nbytes)
+                self.reads.add("device_staged_bytes", nbytes)
                 continue
             failures.setdefault(owner, CorruptRows(shards[owner].id, list(range(shards[owner].n)), reason))
         if page_spans:
