@@ -101,11 +101,6 @@ def test_resume_from_checkpoint_restores_the_buffer(tmp_path):
     assert torch.equal(straight.replay_buffer.slots.advantage, resumed.replay_buffer.slots.advantage)
 
 
-def test_kl_term_with_weighted_sampler_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="KL term.*replay_sampler='uniform'"):
-        build_trainer(str(tmp_path), steps=1, beta=0.04, replay_sampler="prioritized")
-
-
 def test_kl_term_with_uniform_replay_stores_reference_logprobs(tmp_path):
     from trl_grpo_replay import char_tokenizer, tiny_model
 
@@ -123,8 +118,6 @@ def test_kl_term_with_uniform_replay_stores_reference_logprobs(tmp_path):
 def test_unsupported_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="replay_ratio"):
         build_trainer(str(tmp_path), steps=1, replay_ratio=1.0)
-    with pytest.raises(ValueError, match="entropy bonus"):
-        build_trainer(str(tmp_path), steps=1, entropy_coef=0.01, replay_sampler="prioritized")
 
 
 def test_resume_with_a_checkpoint_uri_keeps_the_store_consistent(tmp_path):
@@ -239,3 +232,227 @@ def test_without_args_the_default_config_is_grpo_trainers(tmp_path, monkeypatch)
     ours = trainer.args.to_dict()
     assert {k: v for k, v in ours.items() if k in stock} == stock
     assert ours["replay_ratio"] == 0.5 and ours["replay_sampler"] == "prioritized"
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny model: with beta != 0 TRL loads its reference model from the policy's path."""
+    from trl_grpo_replay import char_tokenizer, tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-qwen")
+    tiny_model(char_tokenizer()).save_pretrained(path)
+    return str(path)
+
+
+def hand_loss(trainer, inputs, logps, entropies, advantages, weights):
+    """TRL 1.16's GRPO loss written out for one batch, each row's whole per-token contribution (policy
+    term and KL) and its entropy bonus multiplied by that row's weight; normalizers unchanged."""
+    a, m = trainer.args, inputs["completion_mask"].float()
+    gas, w, adv = trainer.current_gradient_accumulation_steps, weights[:, None], advantages[:, None]
+    log_ratio = logps - inputs["old_per_token_logps"]
+    if a.importance_sampling_level == "sequence":
+        log_ratio_is = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
+    else:
+        log_ratio_is = log_ratio
+    ratio = log_ratio_is.exp()
+    if a.loss_type == "cispo":
+        policy = -ratio.clamp(max=trainer.epsilon_high).detach() * adv * logps
+    elif a.loss_type == "sapo":
+        tau = torch.where(adv > 0, a.sapo_temperature_pos, a.sapo_temperature_neg)
+        policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif a.loss_type == "vespo":
+        log_w = (log_ratio.clamp(-20, 20) * m).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+        k = torch.where(adv >= 0, a.vespo_k_pos, a.vespo_k_neg)
+        lam = torch.where(adv >= 0, a.vespo_lambda_pos, a.vespo_lambda_neg)
+        policy = -(lam + k * log_w - lam * log_w.exp()).exp().detach() * adv * logps
+    else:
+        clipped = ratio.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
+        policy = -torch.min(ratio * adv, clipped * adv)
+    effective = m
+    if trainer.top_entropy_quantile < 1.0:  # the policy term and the bonus act on high-entropy tokens only
+        effective = m * trainer.get_high_entropy_mask(entropies, m, 1 - trainer.top_entropy_quantile)
+        policy = policy * effective
+    kl = torch.zeros_like(logps)
+    if a.beta != 0.0:
+        ref = inputs["ref_per_token_logps"]
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if a.use_bias_correction_kl:
+            kl = kl * ratio
+    per_token = w * (policy + a.beta * kl) * m
+    if a.loss_type in ("grpo", "sapo"):
+        loss = (per_token.sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / gas
+    elif a.loss_type == "bnpo":
+        loss = per_token.sum() / m.sum().clamp(min=1.0) / gas
+    elif a.loss_type == "dr_grpo":
+        loss = per_token.sum() / (m.shape[0] * a.max_completion_length) / gas
+    elif a.loss_type == "luspo":
+        loss = per_token.sum(-1).mean() / gas
+    else:  # dapo, cispo, vespo: tokens of the whole generation batch
+        loss = per_token.sum() / (inputs["num_items_in_batch"] * gas / a.steps_per_generation)
+    coef = trainer.entropy_coef
+    if a.use_adaptive_entropy and trainer._last_world_entropy > a.entropy_target:
+        coef = 0.0
+    return loss - coef * (w * entropies * effective).sum() / effective.sum().clamp(min=1.0) / gas
+
+
+def fixed_batch(trainer, weights, seed=0):
+    """Six rows as `to_grpo_inputs` hands them to TRL: advantages already multiplied by the weights,
+    behaviour and reference log-probs off the current policy's so that ratios clip and KL is nonzero."""
+    g = torch.Generator().manual_seed(seed)
+    b, p, t = len(weights), 5, 4
+    vocab = trainer.model.config.vocab_size
+    completion_mask = torch.ones(b, t, dtype=torch.long)
+    completion_mask[1, 2:] = 0
+    completion_mask[4, 1:] = 0
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_mask[2, :2] = 0
+    inputs = {"prompt_ids": torch.randint(3, vocab, (b, p), generator=g), "prompt_mask": prompt_mask,
+              "completion_ids": torch.randint(3, vocab, (b, t), generator=g), "completion_mask": completion_mask}
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([prompt_mask, completion_mask], 1), t)
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, -0.8])
+    inputs.update(old_per_token_logps=logps + 0.3 * torch.randn(b, t, generator=g),
+                  ref_per_token_logps=logps + 0.5 * torch.randn(b, t, generator=g),
+                  advantages=advantages * weights, replay_weights=weights,
+                  replay_is_fresh=weights == 1, num_items_in_batch=completion_mask.sum() * 2)
+    return inputs, advantages
+
+
+@pytest.mark.parametrize("loss_type,extra", [(t, {}) for t in LOSS_TYPES] + [
+    ("dapo", {"importance_sampling_level": "sequence", "use_adaptive_entropy": True, "entropy_target": 10.0}),
+    ("grpo", {"top_entropy_quantile": 0.5, "use_bias_correction_kl": False}),
+])
+def test_replay_weight_scales_each_rows_whole_loss(tmp_path, tiny_model_dir, loss_type, extra):
+    """With a KL term and an entropy bonus on, the trainer's loss on a fixed batch equals the loss
+    written out by hand with each row's whole contribution times its IS weight, value and gradient,
+    for every TRL 1.16 loss type. At weights 1 the hand loss is stock TRL's (GRPOTrainer._compute_loss),
+    which pins the hand formula. Mutation shown: without the KL/entropy correction in
+    ReplayGRPOTrainer._compute_loss the weighted case fails for every loss type."""
+    from trl import GRPOTrainer
+
+    trainer = build_trainer(str(tmp_path), steps=1, model=tiny_model_dir, loss_type=loss_type, beta=0.1,
+                            entropy_coef=0.05, steps_per_generation=2, **extra)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    coef = trainer.entropy_coef
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def loss_and_grad(fn, inputs):
+        # The adaptive controller updates its coefficient inside every loss call: each call starts from
+        # the same state, with the gate open (the bonus applies).
+        trainer.entropy_coef, trainer._last_world_entropy = coef, 1.0
+        trainer.model.zero_grad()
+        loss = fn(trainer.model, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    def by_hand(inputs, advantages, weights):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True)
+        return hand_loss(trainer, inputs, logps, entropies, advantages, weights)
+
+    ones = torch.ones(6)
+    inputs, advantages = fixed_batch(trainer, ones)
+    stock, stock_grad = loss_and_grad(lambda m, x: GRPOTrainer._compute_loss(trainer, m, x), inputs)
+    hand, hand_grad = loss_and_grad(lambda m, x: by_hand(x, advantages, ones), inputs)
+    torch.testing.assert_close(hand, stock, rtol=1e-5, atol=1e-7)
+    for h, s in zip(hand_grad, stock_grad):
+        torch.testing.assert_close(h, s, rtol=1e-4, atol=1e-7)
+
+    weights = torch.tensor([1.0, 1.0, 0.5, 0.25, 2.0, 0.8])
+    inputs, advantages = fixed_batch(trainer, weights)
+    got, got_grad = loss_and_grad(trainer._compute_loss, inputs)
+    want, want_grad = loss_and_grad(lambda m, x: by_hand(x, advantages, weights), inputs)
+    unweighted, _ = loss_and_grad(lambda m, x: by_hand(x, advantages, ones), inputs)
+    assert not torch.allclose(want, unweighted, rtol=1e-3)  # the weights matter on this batch
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for g, w in zip(got_grad, want_grad):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
+def buffer_contents(buffer):
+    """Every live rollout's stored fields, in slot order, read without counting a use."""
+    slots = torch.nonzero(buffer.slots.live).flatten()
+    return slots, buffer.gather(slots, count_use=False).data
+
+
+def train_check_and_resume(tmp_path, steps=4, save_at=2, check_loss=True, **overrides):
+    """One configuration on the real trainer, the three checks every configuration gets:
+    - replay happened, and replayed rows with IS weights below 1 reached the loss;
+    - every loss TRL computed equals the hand-written loss with each row's whole contribution times
+      its weight (`check_loss`: needs the reference log-probs in the inputs when beta != 0);
+    - a run resumed from checkpoint-`save_at` ends with the uninterrupted run's buffer, field by field.
+    Returns the uninterrupted trainer and its recorded rounds and loss inputs."""
+    common = dict(replay_sampler="prioritized", replay_alpha=1.0, replay_beta=1.0, save_strategy="steps",
+                  save_steps=save_at, **overrides)
+    straight = build_trainer(str(tmp_path / "a"), steps=steps, **common)
+    rounds, losses = record_rounds(straight)
+    checked = []
+    if check_loss:
+        trainer_loss = straight._compute_loss
+
+        def compare_with_hand_loss(model, inputs):
+            weights = inputs["replay_weights"]
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            with torch.no_grad():
+                logps, entropies, _ = straight._get_per_token_logps_and_entropies(
+                    model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True)
+                want = hand_loss(straight, inputs, logps, entropies, inputs["advantages"] / weights, weights)
+            loss = trainer_loss(model, inputs)
+            checked.append(bool((weights != 1).any()))
+            torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-7)
+            return loss
+
+        straight._compute_loss = compare_with_hand_loss
+    straight.train()
+    assert straight.replay_buffer.metrics()["sampled_replay"] > 0
+    assert any(bool((x["replay_weights"][~x["replay_is_fresh"]] < 1).any()) for x in losses)
+    for x in losses:  # the IS weight is folded into the advantage the loss sees
+        assert bool((x["replay_weights"] > 0).all())
+    if check_loss:
+        assert any(checked), "no loss with weights other than 1 was checked"
+    checkpoint = tmp_path / "a" / f"checkpoint-{save_at}"
+    assert (checkpoint / "replay_buffer.json").exists()
+
+    resumed = build_trainer(str(tmp_path / "b"), steps=steps, **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    a, b = straight.replay_buffer.metrics(), resumed.replay_buffer.metrics()
+    for key in ("size", "added", "sampled_fresh", "sampled_replay", "reuse_mean", "age_mean", "evicted_reuse",
+                "evicted_staleness", "policy_version"):
+        assert a[key] == b[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
+    (slots_a, rows_a), (slots_b, rows_b) = buffer_contents(straight.replay_buffer), buffer_contents(resumed.replay_buffer)
+    assert torch.equal(slots_a, slots_b) and rows_a.keys() == rows_b.keys()
+    for key in rows_a:
+        torch.testing.assert_close(rows_a[key], rows_b[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    return straight, rounds, losses
+
+
+def test_kl_and_entropy_with_prioritized_replay_train_and_resume(tmp_path, tiny_model_dir):
+    """beta != 0 and a static entropy bonus with the default (prioritized) sampler: replayed rows
+    reach the loss with their whole contribution weighted, and resume is exact."""
+    straight, _, losses = train_check_and_resume(tmp_path, model=tiny_model_dir, beta=0.04, entropy_coef=0.01,
+                                                 loss_type="grpo")
+    assert "ref_logprobs" in buffer_contents(straight.replay_buffer)[1]
+    assert all("ref_per_token_logps" in x for x in losses)
+
+
+def test_adaptive_entropy_with_accumulation_and_replay_train_and_resume(tmp_path):
+    straight, rounds, losses = train_check_and_resume(
+        tmp_path, use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0, gradient_accumulation_steps=2,
+        per_device_train_batch_size=4, loss_type="bnpo")
+    assert len(losses) == 2 * len(rounds)  # two micro-batches per optimizer step
+
+
+def test_replay_ratio_zero_refuses_nothing(tmp_path, tiny_model_dir):
+    trainer = build_trainer(str(tmp_path), steps=1, model=tiny_model_dir, replay_ratio=0.0, beta=0.04,
+                            entropy_coef=0.01, replay_sampler="prioritized")
+    trainer.train()
+    assert trainer.replay_buffer.metrics()["sampled_replay"] == 0

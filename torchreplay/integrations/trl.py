@@ -7,13 +7,15 @@ whole a multiple of `steps_per_generation` so that TRL's split drops no row). Re
 their behaviour log-probs, so TRL's clipped ratio is the off-policy PPO ratio, and their IS weight
 is folded into the advantage. That is exact for every policy loss TRL 1.16 offers (grpo, bnpo,
 dr_grpo, dapo, luspo, cispo, sapo, vespo): each is A times a term that depends on A only through its
-sign, and a weight w > 0 keeps the sign. The KL and entropy terms carry no A, so a sampler whose
-weights are not all 1 is refused with them (use `replay_sampler="uniform"`, or beta=0 IS weights).
+sign, and a weight w > 0 keeps the sign. The KL term and the entropy bonus carry no A: for rows with
+w != 1 the trainer adds the difference to TRL's loss (trl_loss.py), so that each row's whole
+contribution is times w.
 
 TRL private names this module uses (tested against trl 1.16): `_generate_and_score_completions`
 (overridden: the one place a generation batch exists), `_get_per_token_logps_and_entropies` (the
 behaviour log-probs TRL skips computing when its own schedule makes them equal to the current
-policy's). Metrics go through `Trainer.log`, checkpoints through a `TrainerCallback.on_save` and
+policy's; wrapped to keep the loss forward's outputs), `_compute_loss` (wrapped: the KL and entropy
+weights) and `_last_world_entropy` (the adaptive entropy gate). Metrics go through `Trainer.log`, checkpoints through a `TrainerCallback.on_save` and
 `train(resume_from_checkpoint=...)`: public hooks.
 
 The policy version is `trainer.state.global_step` (optimizer steps), taken when a round generates.
@@ -42,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("torchreplay.integrations.trl needs TRL: pip install 'torchreplay[trl]'") from exc
 
 from torchreplay import Checkpointer, PrioritizedSampler, RolloutBuffer, Sampler, UniformSampler, from_padded
+from torchreplay.integrations.trl_loss import entropy_coefficient, weight_correction
 
 TESTED_TRL = ((1, 16), (1, 17))  # [low, high): the overridden private methods are TRL 1.16's
 
@@ -212,15 +215,6 @@ class ReplayGRPOTrainer(GRPOTrainer):
                 "its replay buffer will differ from an uninterrupted run's", a.save_steps,
                 a.gradient_accumulation_steps, every)
 
-    @staticmethod
-    def _weighted_terms(args: ReplayGRPOConfig) -> list[str]:
-        terms = []
-        if args.beta != 0.0:
-            terms.append(f"the KL term (beta={args.beta})")
-        if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-            terms.append("the entropy bonus")
-        return terms
-
     @classmethod
     def _check_config(cls, args: ReplayGRPOConfig) -> None:
         if args.use_vllm:
@@ -229,15 +223,6 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if args.beta != 0.0 and args.sync_ref_model:
             raise ValueError("ReplayGRPOTrainer does not support beta != 0 with sync_ref_model=True: the stored "
                              "reference log-probs would go stale")
-        terms = cls._weighted_terms(args)
-        if terms and not cls._unit_weights(make_sampler(args)):
-            raise ValueError(
-                f"{' and '.join(terms)} is not linear in the advantage, so replay IS weights cannot be folded in "
-                "exactly: use replay_sampler='uniform' (all weights 1) or replay_beta=0")
-
-    @staticmethod
-    def _unit_weights(sampler: Sampler) -> bool:
-        return isinstance(sampler, UniformSampler) or getattr(sampler, "beta", None) == 0
 
     def _storage(self):
         from torchreplay import TieredStorage
@@ -298,8 +283,6 @@ class ReplayGRPOTrainer(GRPOTrainer):
         n_replay = round(n * ratio / (1 - ratio))
         batch = self.replay_buffer.compose(fresh, n_replay=n_replay, multiple_of=self.args.steps_per_generation)
         batch = self._same_size_on_every_process(batch, n)
-        if self._weighted_terms(self.args) and not bool((batch.weights == 1).all()):
-            raise RuntimeError("replay IS weights other than 1 with a KL or entropy term; see ReplayGRPOConfig")
         mixed = to_grpo_inputs(batch, device)
         if isinstance(self.pad_to_multiple_of, int):  # TRL's own shapes, for backends compiled per shape
             self._pad_widths(mixed, self.pad_to_multiple_of, batch.pad_token_id)
@@ -318,6 +301,27 @@ class ReplayGRPOTrainer(GRPOTrainer):
         for key in ("completion_mask", "old_per_token_logps", "ref_per_token_logps"):
             if key in mixed:
                 mixed[key] = pad(mixed[key], (0, completion_extra))
+
+    # --------------------------------------------------------------------------- the loss
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, plus the KL and entropy parts of replayed rows' IS weights (trl_loss.py)."""
+        weights = inputs.get("replay_weights")
+        coef = entropy_coefficient(self)
+        if weights is None or (self.beta == 0.0 and coef == 0.0) or bool((weights == 1).all()):
+            return super()._compute_loss(model, inputs)
+        self._forward_outputs = []
+        try:
+            loss = super()._compute_loss(model, inputs)
+            (logps, entropies), = self._forward_outputs
+        finally:
+            self._forward_outputs = None
+        return loss + weight_correction(self, inputs, logps, entropies, coef)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if getattr(self, "_forward_outputs", None) is not None:  # inside _compute_loss: its one forward
+            self._forward_outputs.append(out[:2])
+        return out
 
     @torch.no_grad()
     def _behaviour_logprobs(self, outputs: dict[str, Any]) -> torch.Tensor:
