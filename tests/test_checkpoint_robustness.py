@@ -7,7 +7,11 @@ import glob
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 
 import pytest
@@ -166,27 +170,97 @@ def small_checkpoint(tmp_path):
     return tmp_path / "ckpt", uri
 
 
-@pytest.mark.parametrize("capacity", [1 << 24, 1 << 40])
-def test_a_claimed_capacity_the_table_does_not_carry_is_refused_before_allocation(tmp_path, capacity):
-    root, uri = small_checkpoint(tmp_path)
+# Restores in a fresh process, so that its peak RSS (VmHWM, reset per checkpoint through
+# /proc/self/clear_refs) and bytes read (/proc/self/io rchar, every thread's reads) are the
+# refusal's own: an exception alone cannot tell "refused before allocating / reading" from "read
+# or allocated it all, then refused". One child serves every checkpoint of this module (a child
+# spends seconds importing torch).
+REFUSAL_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import torchreplay as tr
+
+    def proc(path, key):
+        with open(path) as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    target = tr.RolloutBuffer(16)
+    report = {}
+    for uri in sys.argv[1:]:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # peak RSS := current RSS
+        start_peak_kib, results = proc("/proc/self/status", "VmHWM:"), []
+        for mode in ("from_checkpoint", "import_checkpoint"):
+            read_before, start = proc("/proc/self/io", "rchar:"), time.monotonic()
+            try:
+                if mode == "import_checkpoint":
+                    target.import_checkpoint(uri)
+                else:
+                    tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+                outcome = "restored"
+            except Exception as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            results.append({"mode": mode, "outcome": outcome, "seconds": time.monotonic() - start,
+                            "read_mib": (proc("/proc/self/io", "rchar:") - read_before) / 2**20})
+        grown_mib = (proc("/proc/self/status", "VmHWM:") - start_peak_kib) / 1024
+        report[uri] = {"grown_mib": grown_mib, "results": results}
+    print(json.dumps(report))
+""")
+
+
+def forged_capacity(root, capacity: int) -> None:
     forge_state(root, lambda state: {**state, "config": {**state["config"], "capacity": capacity}})
-    start = time.monotonic()
-    with pytest.raises(CheckpointError, match="slots"):
-        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
-    with pytest.raises(CheckpointError, match="slots"):
-        tr.RolloutBuffer(16).import_checkpoint(uri)
-    assert time.monotonic() - start < 5
 
 
-def test_a_state_blob_larger_than_its_capacity_needs_is_refused_unread(tmp_path):
-    root, uri = small_checkpoint(tmp_path)
-    manifest = read_manifest(open_store(uri))
-    blob = root / manifest["state"]["blob"]
-    os.truncate(blob, 3 << 30)  # sparse: 3 GiB the manifest agrees with
-    manifest["state"]["blob_bytes"] = 3 << 30
+def forged_blob_size(root, nbytes: int) -> None:
+    """The state blob grown (sparse) to `nbytes`, and the manifest agreeing with it."""
+    manifest = read_manifest(open_store(f"file://{root}"))
+    os.truncate(root / manifest["state"]["blob"], nbytes)
+    manifest["state"]["blob_bytes"] = nbytes
     (root / json.loads((root / "LATEST").read_text())["manifest"]).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="16-slot buffer"):
-        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+
+
+FORGERIES = {"capacity 2**24": lambda root: forged_capacity(root, 1 << 24),
+             "capacity 2**40": lambda root: forged_capacity(root, 1 << 40),
+             "3 GiB blob": lambda root: forged_blob_size(root, 3 << 30)}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Per forgery, both restore paths' outcomes, bytes read and time, and the peak RSS growth."""
+    uris = {}
+    for name, forge in FORGERIES.items():
+        root, uris[name] = small_checkpoint(tmp_path_factory.mktemp("forged"))
+        forge(root)
+    done = subprocess.run([sys.executable, "-c", REFUSAL_CHILD, *uris.values()], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: report[uri] for name, uri in uris.items()}
+
+
+def assert_refused_cheaply(report: dict, match: str) -> None:
+    """Both restore paths refused with a CheckpointError matching `match`, having read under
+    32 MiB (the checkpoint's own objects are KiBs) and grown the peak RSS by under 200 MiB, fast."""
+    for result in report["results"]:
+        assert result["outcome"].startswith("CheckpointError") and re.search(match, result["outcome"]), result
+        assert result["read_mib"] < 32, result
+        assert result["seconds"] < 20, result
+    assert report["grown_mib"] < 200, report
+
+
+@pytest.mark.parametrize("forgery", ["capacity 2**24", "capacity 2**40"])
+def test_a_claimed_capacity_the_table_does_not_carry_is_refused_before_allocation(refusals, forgery):
+    """Peak RSS measured in a fresh process. Mutation seen failing: BufferSnapshot.from_state
+    building a SlotTable of the claimed capacity before checking the table's tensors (the peak
+    grows by ~1.8 GiB at 2**24 slots; at 2**40 the allocation itself fails)."""
+    assert_refused_cheaply(refusals[forgery], "slots")
+
+
+def test_a_state_blob_larger_than_its_capacity_needs_is_refused_unread(refusals):
+    """Bytes read and peak RSS measured in a fresh process. Mutation seen failing: load_state
+    reading the blob (`store.get(state_info["blob"])`) before its size check against the capacity:
+    3 GiB read and held, then the same CheckpointError."""
+    assert_refused_cheaply(refusals["3 GiB blob"], "16-slot buffer")
 
 
 @pytest.mark.parametrize("edit, match", [

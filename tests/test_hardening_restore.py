@@ -161,3 +161,159 @@ def test_caps_beyond_the_documented_range_are_refused_at_construction():
         with pytest.raises(ValueError, match=name):
             tr.RolloutBuffer(4, **{name: 2**62 + 1})
         tr.RolloutBuffer(4, **{name: 2**62}).close()
+
+
+# ------------------------------------------------------------------- item 4: a swapped shard object
+def two_shard_checkpoint(tmp_path, lazy_resume=False):
+    """Two shards of the same size and layout, different tokens: (root, uri, manifest, tokens of
+    each shard's rows by manifest position)."""
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    tokens = []
+    for k in range(2):
+        batch = make_batch(6, version=1, seed=10 + k, min_len=5, max_len=5)
+        buf.add(batch)
+        tokens.append(torch.stack(batch["tokens"]))
+    buf.close()
+    root = tmp_path / "ckpt"
+    manifest = read_manifest(open_store(uri))
+    sizes = [(root / s["key"]).stat().st_size for s in manifest["shards"]]
+    assert len(manifest["shards"]) == 2 and sizes[0] == sizes[1]
+    return root, uri, manifest, tokens
+
+
+def swap_first_key(root, manifest):
+    forged = json.loads(json.dumps(manifest))
+    forged["shards"][0]["key"] = forged["shards"][1]["key"]
+    manifest_path(root).write_text(json.dumps(forged))
+    return forged["shards"][1]["key"]
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Bytes read from each object of a file:// store, by ranged reads and whole downloads."""
+    counted: dict[str, int] = {}
+    real_range, real_download = FileStore.get_range, FileStore.get_to_file
+
+    def get_range(self, key, start, length):
+        data = real_range(self, key, start, length)
+        counted[key] = counted.get(key, 0) + len(data)
+        return data
+
+    def get_to_file(self, key, path):
+        real_download(self, key, path)
+        counted[key] = counted.get(key, 0) + (self.size(key))
+
+    monkeypatch.setattr(FileStore, "get_range", get_range)
+    monkeypatch.setattr(FileStore, "get_to_file", get_to_file)
+    return counted
+
+
+@pytest.mark.parametrize("how", ["eager", "lazy", "import", "inspect"])
+def test_a_swapped_shard_object_is_refused_unread(tmp_path, reads, how):
+    """`shards[0].key` pointed at the other shard's object (same size): refused before adoption,
+    having read no more of the object than the first ranged read of its header (64 KiB).
+    It used to restore, and `gather` returned the other shard's tokens."""
+    from torchreplay.cli import main as cli_main
+
+    root, uri, manifest, _ = two_shard_checkpoint(tmp_path)
+    assert all("header_crc32" in s for s in manifest["shards"])
+    swapped = swap_first_key(root, manifest)
+    reads.clear()
+    if how == "inspect":
+        assert cli_main(["inspect", uri]) != 0
+    else:
+        with pytest.raises(CheckpointError, match="header CRC"):
+            if how == "eager":
+                tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+            elif how == "lazy":
+                storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
+                tr.RolloutBuffer.from_checkpoint(uri, progress=False, lazy=True, storage=storage)
+            else:
+                tr.RolloutBuffer(16).import_checkpoint(uri)
+    assert reads.get(swapped, 0) <= 2 * 64 * 1024  # at most the header read of each entry naming it
+
+
+def test_a_manifest_without_header_crcs_still_restores(tmp_path):
+    """Manifests written before `header_crc32` was recorded are read as before (sizes checked)."""
+    root, uri, manifest, tokens = two_shard_checkpoint(tmp_path)
+    for s in manifest["shards"]:
+        del s["header_crc32"]
+    manifest_path(root).write_text(json.dumps(manifest))
+    buf = tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+    got = buf.gather(torch.arange(12), count_use=False).tokens
+    assert torch.equal(got, torch.cat(tokens))
+    buf.close()
+
+
+def test_a_resumed_job_records_carried_shards_identity(tmp_path):
+    """Shards carried over from the run a job resumed (not uploaded by this session) get their
+    size and header CRC in the resumed job's manifests too, so a swap is refused there as well."""
+    root, uri, manifest, _ = two_shard_checkpoint(tmp_path)
+    for tiered in (False, True):
+        storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / f"spill{tiered}", io="posix") if tiered else None
+        resumed = tr.RolloutBuffer.from_checkpoint(uri, progress=False, checkpoint=True, storage=storage)
+        resumed.checkpoint()
+        resumed.close()
+        again = read_manifest(open_store(uri))
+        assert again["sequence"] > manifest["sequence"]
+        assert [(s["key"], s["bytes"], s["header_crc32"]) for s in again["shards"]] == \
+            [(s["key"], s["bytes"], s["header_crc32"]) for s in manifest["shards"]]
+    swap_first_key(root, again)
+    with pytest.raises(CheckpointError, match="header CRC"):
+        tr.RolloutBuffer.from_checkpoint(uri, progress=False)
+
+
+# ----------------------------------------------------- item 5: a lazily restored shard that vanished
+def lazy_buffer_missing_a_shard(tmp_path, on_corrupt, replace_with_other=False):
+    """128 rollouts in 8 shards, restored lazily with every token cold; then one shard's object is
+    deleted (or overwritten by another shard's object of the same size). Returns (buffer, the
+    slots whose shard is gone, tokens by slot)."""
+    uri = f"file://{tmp_path}/ckpt"
+    buf = tr.RolloutBuffer(128, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    tokens = {}
+    for k in range(8):
+        batch = make_batch(16, version=1, seed=20 + k, min_len=5, max_len=5)
+        handles = buf.add(batch)
+        tokens.update(zip(handles.slot.tolist(), batch["tokens"]))
+    chunk = buf.slots.chunk.clone()
+    buf.close()
+    root = tmp_path / "ckpt"
+    manifest = read_manifest(open_store(uri))
+    first, other = manifest["shards"][0], manifest["shards"][1]
+    gone_slots = set((chunk == first["id"]).nonzero().flatten().tolist())
+    storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
+    lazy = tr.RolloutBuffer.from_checkpoint(uri, lazy=True, storage=storage, progress=False, on_corrupt=on_corrupt)
+    if replace_with_other:  # after the restore read its header: only the download can tell
+        (root / first["key"]).write_bytes((root / other["key"]).read_bytes())
+    else:
+        (root / first["key"]).unlink()
+    return lazy, gone_slots, tokens
+
+
+@pytest.mark.parametrize("replace_with_other", [False, True], ids=["deleted", "overwritten"])
+@pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
+def test_a_vanished_lazy_shard_is_evicted_once_and_later_samples_work(tmp_path, on_corrupt, replace_with_other):
+    """The issue's repro: 20 x sample(16) after one shard object of a lazy restore is deleted.
+    It used to raise `StorageError: cannot fetch restored shard` on all 20 calls, with `len` 128
+    and `evicted_corrupt` 0. Now its 16 rollouts are evicted and counted at the first sample that
+    needs them: "skip" draws again (no call fails), "raise" raises from that call only. An object
+    overwritten by another shard's (same size) is the same loss: its rows are never returned."""
+    lazy, gone_slots, tokens = lazy_buffer_missing_a_shard(tmp_path, on_corrupt, replace_with_other)
+    generator = torch.Generator().manual_seed(0)
+    failures = 0
+    for _ in range(20):
+        try:
+            out = lazy.sample(16, generator=generator)
+        except tr.StorageError as exc:
+            failures += 1
+            assert "evicted" in str(exc)
+            continue
+        for i, slot in enumerate(out.handles.slot.tolist()):
+            assert slot not in gone_slots
+            assert torch.equal(out.tokens[i, :5], tokens[slot])
+    metrics = lazy.metrics()
+    assert failures == (1 if on_corrupt == "raise" else 0)
+    assert metrics["evicted_corrupt"] == 16 and len(lazy) == 112
+    assert metrics["storage_fetched_shards"] == 7
+    lazy.close()

@@ -43,12 +43,14 @@ def rewrite_shard(path, edit):
 
 
 def forge_manifest_sizes(root):
-    """Record every shard's current size in the newest manifest, as a forger who controls the
-    whole checkpoint would: the checks after the size check must hold on their own."""
+    """Record every shard's current size and header CRC in the newest manifest, as a forger who
+    controls the whole checkpoint would: the checks after the identity checks must hold on their own."""
     key = json.loads((root / "LATEST").read_text())["manifest"]
     manifest = json.loads((root / key).read_text())
     for entry in manifest["shards"]:
         entry["bytes"] = os.path.getsize(root / entry["key"])
+        with open(root / entry["key"], "rb") as f:
+            entry["header_crc32"] = fmt.PREAMBLE.unpack(f.read(fmt.PREAMBLE.size))[2]
     (root / key).write_text(json.dumps(manifest))
 
 

@@ -3,8 +3,8 @@
 * `from_checkpoint(uri, manifest=KEY)` restores that (older) manifest; the default the newest;
 * `lazy=True` downloads a shard's file only when a sample, a prefetch or a compaction first needs
   its tokens (`metrics()["storage_fetched_shards"]` counts them), and the bytes are the ones added;
-* a shard missing from the store by then is a `StorageError` on that sample, and a missing object
-  is never retried.
+* a shard missing from the store by then is evicted and counted (`evicted_corrupt`) by the sample
+  that needs it, as unreadable rows are (`on_corrupt`), and a missing object is never retried.
 
 Every expected value below comes from the batches the test itself added (not from the library
 reading its own files back), and every test names in its docstring a mutation of the library that
@@ -237,10 +237,12 @@ def test_lazy_restore_fetches_on_prefetch_and_on_compaction(tmp_path, downloads)
 
 # ------------------------------------------------------------------- a missing shard object
 @pytest.mark.parametrize("on_corrupt", ["raise", "skip"])
-def test_missing_shard_object_is_one_attempt_and_a_storage_error(tmp_path, downloads, caplog, on_corrupt):
+def test_missing_shard_object_is_one_attempt_and_evicted(tmp_path, downloads, caplog, on_corrupt):
     """A lazily restored shard whose object is deleted from the store before its first use: the
-    sample that needs it raises StorageError (with either on_corrupt) after exactly one download
-    attempt and no retry warning; the other shards keep serving the rollouts that were added.
+    sample that needs it evicts its 16 rollouts (`evicted_corrupt`) after exactly one download
+    attempt and no retry warning, then raises StorageError ("raise") or draws again ("skip"; here
+    nothing else is drawable, so that draw is the usual ValueError); the other shards keep serving
+    the rollouts that were added.
 
     Mutation run: store.py with_retries without `except MissingObject: raise` (a missing object
     retried like a transient error): two attempts were made for the deleted key (the second is
@@ -270,12 +272,14 @@ def test_missing_shard_object_is_one_attempt_and_a_storage_error(tmp_path, downl
     FileStore.get_to_file = once
     try:
         only_drawable(lazy, shard_slots[1], origin)
-        with (caplog.at_level(logging.WARNING, logger="torchreplay.checkpoint"),
-              pytest.raises(tr.StorageError, match="cannot fetch restored shard")):
+        error, match = (tr.StorageError, "no longer in") if on_corrupt == "raise" else (ValueError, "cannot fill")
+        with caplog.at_level(logging.WARNING, logger="torchreplay.checkpoint"), pytest.raises(error, match=match):
             lazy.sample(4, generator=torch.Generator().manual_seed(2))
     finally:
         FileStore.get_to_file = real
     assert attempts == [gone], attempts
+    assert lazy.metrics()["evicted_corrupt"] == 16 and len(lazy) == 32
+    assert not live_slots(lazy) & shard_slots[1]
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]
     assert lazy.metrics()["storage_fetched_shards"] == 0
 

@@ -161,7 +161,9 @@ class Checkpointer:
         self._keys: dict[int, str] = {}  # live shard id -> object key (trainer writes, worker reads)
         self._keys_lock = threading.Lock()
         self._durable: set[str] = set()
-        self._shard_bytes: dict[str, int] = {}  # worker only: sizes of the shards it uploaded, for manifests
+        # Per durable shard key, what identifies its object in manifests ({"bytes", "header_crc32"}):
+        # the shards uploaded here, and those a resumed job carried over.
+        self._shard_ids: dict[str, dict[str, int]] = {}
         self._pending: dict[str, _Upload] = {}  # worker only: uploads that failed, retried by the next publish
         self._manifest_refs: dict[str, tuple[set[str], set[str]]] = {}  # worker only: manifests are immutable
         self._tag_pointers: dict[str, dict[str, Any]] = {}  # worker only: tags/<tag>.json -> its pointer
@@ -209,6 +211,7 @@ class Checkpointer:
             for sid, key in (known or {}).items():
                 self._keys[sid] = key
                 self._durable.add(key)
+                self._shard_ids[key] = _identity(buffer.storage.shard(sid).header)
 
     def check(self) -> None:
         """With on_error="raise", raise CheckpointError once for an open incident."""
@@ -382,7 +385,7 @@ class Checkpointer:
         if files:
             self._remote.put_files([(job.key, job.source) for job in files])
             self._durable.update(job.key for job in files)
-            self._shard_bytes.update((job.key, os.path.getsize(job.source)) for job in files)
+            self._shard_ids.update((job.key, _identity(job.shard.header)) for job in files)
         for job in jobs:
             self._pending.pop(job.key, None)
         self._unpin([job.shard for job in jobs])
@@ -406,7 +409,7 @@ class Checkpointer:
             data[offset : offset + len(piece)] = piece
         self._remote.put(job.key, data)
         self._durable.add(job.key)
-        self._shard_bytes[job.key] = len(data)
+        self._shard_ids[job.key] = _identity(header)
 
     def _run_publish(self, job: _Publish) -> None:
         try:
@@ -455,10 +458,9 @@ class Checkpointer:
             "created_unix_s": time.time(),
             "session": self.session,
             "state": {"json": state_key, "blob": blob_key, "json_bytes": len(text), "blob_bytes": len(blob)},
-            # "bytes" lets a reader refuse a grown or swapped object before reading it; shards
-            # carried over from an earlier run (uploaded by it) have no recorded size here.
-            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid],
-                        **({"bytes": self._shard_bytes[key]} if key in self._shard_bytes else {})}
+            # "bytes" and "header_crc32" let a reader refuse a grown or swapped object before
+            # reading past its header.
+            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid], **self._shard_ids.get(key, {})}
                        for sid, key in sorted(job.shard_keys.items())],
             "rollouts": int(job.state["count"]),
             "policy_version": int(job.state["version"]),
@@ -554,7 +556,15 @@ class Checkpointer:
             self._manifest_refs.pop(key, None)
         self._durable.difference_update(stale_shards)
         for key in stale_shards:
-            self._shard_bytes.pop(key, None)
+            self._shard_ids.pop(key, None)
+
+
+def _identity(header: fmt.ShardHeader | None) -> dict[str, int]:
+    """What a manifest records of a shard object (docs/storage_format.md): its size and header CRC,
+    where its header is known (a shard restored into hot-only storage before it had one: none)."""
+    if header is None:
+        return {}
+    return {"bytes": header.file_bytes, **({"header_crc32": header.crc32} if header.crc32 is not None else {})}
 
 
 def _after_newest(manifest_keys: list[str]) -> int:
@@ -630,6 +640,9 @@ def validate_manifest(m: Any) -> None:
         size = s.get("bytes", 0)
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
             raise CheckpointError(f"manifest shard {sid}: bytes must be a size, got {size!r}")
+        crc = s.get("header_crc32", 0)
+        if isinstance(crc, bool) or not isinstance(crc, int) or not 0 <= crc < 1 << 32:
+            raise CheckpointError(f"manifest shard {sid}: header_crc32 must be a CRC32 (a u32), got {crc!r}")
         total_live += live
     if total_live != m["rollouts"]:
         raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")

@@ -15,11 +15,11 @@ from torchreplay import boundedjson, samplers, snapshot
 from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
-from torchreplay.checkpoint.store import ObjectStore, RetriedReads, open_store, with_retries
+from torchreplay.checkpoint.store import MissingObject, ObjectStore, RetriedReads, open_store, with_retries
 from torchreplay.errors import CheckpointError, StorageError
 from torchreplay.shards import ShardListener
 from torchreplay.slots import TABLE_FIELDS, SlotTable
-from torchreplay.storage import TieredStorage
+from torchreplay.storage import MissingShard, TieredStorage
 from torchreplay.storage import format as fmt
 
 if TYPE_CHECKING:
@@ -114,7 +114,9 @@ def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: in
                       fields: dict[str, Any] | None = None, convertible: bool = False) -> dict[int, fmt.PackedShard]:
     """Header and small blocks of every shard the manifest names, by ranged reads (no token data),
     checked as `fmt.read_meta` checks them with `max_rows` and `fields`: what is known of a shard
-    before any of its token data is read or downloaded."""
+    before any of its token data is read or downloaded. An object whose size or header CRC is not
+    the one the manifest records (`bytes`, `header_crc32`) holds another shard, or another
+    version of it: refused by its size, or from the first read of its header."""
 
     def one(entry: dict[str, Any]) -> tuple[int, fmt.PackedShard]:
         key = entry["key"]
@@ -128,7 +130,7 @@ def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: in
         try:
             # A small first read: the header room is a few KiB, and every byte counts over a network.
             return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024, max_rows=max_rows, fields=fields,
-                                              convertible=convertible)
+                                              convertible=convertible, header_crc32=entry.get("header_crc32"))
         except StorageError as exc:
             raise CheckpointError(f"checkpoint shard {key}: {exc}") from exc
 
@@ -187,22 +189,26 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
             key = by_id[sid]["key"]
 
             def fetch(path: str, key: str = key) -> None:
-                with_retries(lambda: store.get_to_file(key, path), 60.0, f"download {key}")
+                try:
+                    with_retries(lambda: store.get_to_file(key, path), 60.0, f"download {key}")
+                except MissingObject as exc:  # gone for good: the storage evicts its rows
+                    raise MissingShard(f"{key} is no longer in {store.uri}: {exc}") from exc
 
             sources[sid] = _Recorded(snapshot.RemoteShardSource(meta, fetch, meta.header.n), key, durable)
     else:
         # Headers first, by ranged reads: a hostile shard is refused before its bytes are downloaded.
-        expected = {sid: meta.header.file_bytes
+        expected = {sid: meta.header
                     for sid, meta in fetch_shard_metas(store, manifest, config.capacity, shard_fields).items()}
         into = storage.spill_dir if storage is not None and storage.tiered else None
         download_dir, paths = _fetch_shards(store, manifest, progress, desc=f"restoring {uri}", into=into)
         try:
             for sid, path in paths.items():
                 try:
-                    if os.path.getsize(path) != expected[sid]:
+                    if os.path.getsize(path) != expected[sid].file_bytes:
                         raise StorageError(f"changed during the restore: {os.path.getsize(path)} bytes, "
-                                           f"its header says {expected[sid]}")
-                    rows = fmt.read_shard_meta(path, max_rows=config.capacity, fields=shard_fields).header.n
+                                           f"its header says {expected[sid].file_bytes}")
+                    rows = fmt.read_shard_meta(path, max_rows=config.capacity, fields=shard_fields,
+                                               header_crc32=expected[sid].crc32).header.n
                 except StorageError as exc:
                     raise CheckpointError(f"checkpoint shard {by_id[sid]['key']}: {exc}") from exc
                 sources[sid] = _Recorded(snapshot.FileShardSource(path, rows), by_id[sid]["key"], durable)
@@ -257,13 +263,14 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     max_rows = int(table["chunk"].numel())
     # Sizes and headers first (stat/HEAD and ranged reads): a hostile shard is refused before it
     # is downloaded.
-    fetch_shard_metas(store, manifest, max_rows, shard_fields, convertible=True)
+    metas = fetch_shard_metas(store, manifest, max_rows, shard_fields, convertible=True)
     download_dir, paths = _fetch_shards(store, manifest, progress, desc=f"importing {uri}")
     handles = []
     try:
         for sid, path in sorted(paths.items()):
             try:
-                fmt.read_shard_meta(path, max_rows=max_rows, fields=shard_fields, convertible=True)
+                fmt.read_shard_meta(path, max_rows=max_rows, fields=shard_fields, convertible=True,
+                                    header_crc32=metas[sid].header.crc32)  # the object read at first
                 with open(path, "rb") as f:
                     shard = fmt.parse_shard(f.read(), max_rows=max_rows)
             except StorageError as exc:

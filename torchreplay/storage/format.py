@@ -29,7 +29,8 @@ import os
 import struct
 import zlib
 from concurrent.futures import Executor
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -95,6 +96,9 @@ class ShardHeader:
     page_size: int
     blocks: dict[str, BlockInfo]
     file_bytes: int
+    # CRC32 of the header's bytes, as the preamble stores it. The header lists every page's CRC,
+    # so this identifies the whole shard: checkpoint manifests record it (`header_crc32`).
+    crc32: int | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,9 +158,10 @@ class ShardLayout:
                   for name, kind, dtype, shape, offset, data in self.blocks}
         header = ShardHeader(n=self.n, page_size=self.page_size, blocks=blocks, file_bytes=self.file_bytes)
         text = json.dumps(header.to_json(), separators=(",", ":")).encode()
-        head = PREAMBLE.pack(MAGIC, len(text), zlib.crc32(text)) + text
+        crc = zlib.crc32(text)
+        head = PREAMBLE.pack(MAGIC, len(text), crc) + text
         assert len(head) <= self.header_room, "header outgrew its reservation"
-        return header, head
+        return dataclasses.replace(header, crc32=crc), head
 
 
 def layout_shard(
@@ -256,7 +261,7 @@ def parse_header(head: bytes, file_bytes: int, max_rows: int = MAX_ROWS) -> Shar
         blocks[name] = BlockInfo(name, kind, dtype, shape, offset, nbytes, crcs)
     if "offsets" not in blocks or blocks["offsets"].nbytes != 8 * (n + 1):
         raise StorageError("shard has no valid offsets block")
-    header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=file_bytes)
+    header = ShardHeader(n=n, page_size=page_size, blocks=blocks, file_bytes=file_bytes, crc32=crc)
     for b in blocks.values():
         if b.nbytes % b.row_bytes:
             raise StorageError(f"shard field {b.name!r}: {b.nbytes} bytes is not a whole number of rows")
@@ -342,9 +347,9 @@ def parse_shard(data: bytes, max_rows: int = MAX_ROWS) -> PackedShard:
 
 
 def read_shard_meta(path: str, max_rows: int = MAX_ROWS, fields: Mapping[str, FieldSpec] | None = None,
-                    convertible: bool = False) -> PackedShard:
+                    convertible: bool = False, header_crc32: int | None = None) -> PackedShard:
     """Header, offsets and per-rollout fields of a shard file; token blocks are left on disk.
-    `max_rows` and `fields` as for `read_meta`."""
+    `max_rows`, `fields` and `header_crc32` as for `read_meta`."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -352,14 +357,15 @@ def read_shard_meta(path: str, max_rows: int = MAX_ROWS, fields: Mapping[str, Fi
                 f.seek(offset)
                 return f.read(length)
 
-            return read_meta(read, size, max_rows=max_rows, fields=fields, convertible=convertible)
+            return read_meta(read, size, max_rows=max_rows, fields=fields, convertible=convertible,
+                             header_crc32=header_crc32)
     except OSError as exc:
         raise StorageError(f"cannot read shard {path}: {exc}") from exc
 
 
 def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: int = 1 << 20,
               max_rows: int = MAX_ROWS, fields: Mapping[str, FieldSpec] | None = None,
-              convertible: bool = False) -> PackedShard:
+              convertible: bool = False, header_crc32: int | None = None) -> PackedShard:
     """`read_shard_meta` over any random-access source (`read(offset, length)`: a file, or ranged
     GETs of an object that has not been downloaded). Reads only the header and the small blocks,
     coalescing blocks that lie close together into one read (the per-rollout blocks sit together
@@ -367,9 +373,14 @@ def read_meta(read: Callable[[int, int], bytes], file_bytes: int, first_read: in
 
     `max_rows` bounds n (a buffer's capacity, where the caller knows it). With `fields` (the specs
     of what a shard of the buffer holds) the header's fields are checked against them before any
-    block is read, and the offsets once read (`check_schema`)."""
+    block is read, and the offsets once read (`check_schema`). With `header_crc32` (what a
+    manifest recorded of the shard it names), a file whose header CRC differs is another shard's
+    and is refused from its first read, before its header is parsed."""
     head = read(0, min(file_bytes, first_read))
     span = header_span(head)
+    if header_crc32 is not None and PREAMBLE.unpack_from(head)[2] != header_crc32:
+        raise StorageError(f"shard header CRC {PREAMBLE.unpack_from(head)[2]} is not the {header_crc32} recorded "
+                           "for it: the object holds another shard")
     if span > len(head):
         head = read(0, span)
     header = parse_header(head, file_bytes, max_rows)

@@ -42,6 +42,23 @@ class CorruptRows(StorageError):
         self.reason = reason
 
 
+class MissingShard(StorageError):
+    """What a lazily restored shard's `fetch` raises when its object no longer exists: its rows
+    are lost for good, and are evicted as unreadable ones are (CorruptRows)."""
+
+
+def _not_the_shard(path: str, header: fmt.ShardHeader) -> str | None:
+    """Why a downloaded file is not the shard whose `header` was read at restore, or None."""
+    size = os.path.getsize(path)
+    if size != header.file_bytes:
+        return f"downloaded {size} bytes, its header says {header.file_bytes}"
+    with open(path, "rb") as f:
+        head = f.read(fmt.PREAMBLE.size)
+    if header.crc32 is not None and (len(head) < fmt.PREAMBLE.size or fmt.PREAMBLE.unpack_from(head)[2] != header.crc32):
+        return "its header CRC is not the one read at restore (the object was replaced)"
+    return None
+
+
 def _read_failure(path: str, field_name: str, status: list[int]) -> str:
     code, detail = status[0], status[1]
     if code == READ_SHORT:
@@ -370,8 +387,10 @@ class TieredStorage:
             with open(path, "rb") as f:
                 shard = fmt.parse_shard(f.read())
             os.unlink(path)
-            return self.put(PackedBatch(n=shard.header.n, offsets=shard.offsets, token=shard.token,
-                                        rollout=shard.rollout))
+            sid = self.put(PackedBatch(n=shard.header.n, offsets=shard.offsets, token=shard.token,
+                                       rollout=shard.rollout))
+            self._shards[sid].header = shard.header  # its identity, for the checkpoint manifests naming it
+            return sid
         meta = fmt.read_shard_meta(path)
         sid = next(self._ids)
         target = os.path.join(self.spill_dir, f"shard-{sid:010d}.trs")
@@ -416,10 +435,13 @@ class TieredStorage:
                 return
             partial = f"{shard.path}.partial"
             try:
-                shard.remote(partial)
-                size = os.path.getsize(partial)
-                if size != shard.header.file_bytes:
-                    raise StorageError(f"downloaded shard has {size} bytes, its header says {shard.header.file_bytes}")
+                try:
+                    shard.remote(partial)
+                    lost = _not_the_shard(partial, shard.header)
+                except MissingShard as exc:
+                    lost = str(exc)
+                if lost is not None:  # never comes back: its rows are lost, as a corrupt file's are
+                    raise CorruptRows(shard.id, list(range(shard.n)), f"restored shard's object: {lost}")
                 os.replace(partial, shard.path)
             except Exception as exc:
                 try:
