@@ -456,3 +456,33 @@ def test_replay_ratio_zero_refuses_nothing(tmp_path, tiny_model_dir):
                             entropy_coef=0.01, replay_sampler="prioritized")
     trainer.train()
     assert trainer.replay_buffer.metrics()["sampled_replay"] == 0
+
+
+def test_sync_ref_model_recomputes_stale_reference_logprobs(tmp_path, tiny_model_dir):
+    """beta != 0 with sync_ref_model=True: TRL moves the reference model every ref_model_sync_steps.
+    Every row the loss sees, replayed ones stored before a sync included, carries the current
+    reference model's log-probs. The checkpoint is taken before the first sync: TRL's checkpoints do
+    not keep the synced reference model, so only such a resume can match the uninterrupted run.
+    Mutation shown: without ReplayGRPOTrainer._refresh_reference_logprobs the stale rows fail."""
+    seen = []
+    from torchreplay.integrations.trl import ReplayGRPOTrainer
+
+    compute_loss = ReplayGRPOTrainer._compute_loss
+
+    def compare_reference(self, model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            ref, _, _ = self._get_per_token_logps_and_entropies(self.ref_model, ids, mask, inputs["completion_ids"].shape[1])
+        live = inputs["completion_mask"].bool()
+        stale = ~inputs["replay_is_fresh"] & (inputs["replay_policy_version"] < self.state.global_step // 3 * 3)
+        seen.append(int(stale.sum()))
+        torch.testing.assert_close(inputs["ref_per_token_logps"][live], ref[live], rtol=0, atol=1e-5)
+        return compute_loss(self, model, inputs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(ReplayGRPOTrainer, "_compute_loss", compare_reference):
+        straight, _, _ = train_check_and_resume(tmp_path, steps=5, save_at=2, model=tiny_model_dir, beta=0.04,
+                                                sync_ref_model=True, ref_model_sync_steps=3, ref_model_mixup_alpha=1.0)
+    assert sum(seen) > 0, "no replayed row stored before a sync reached the loss"

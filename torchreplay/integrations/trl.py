@@ -139,7 +139,8 @@ def from_grpo_outputs(outputs: dict[str, Any], *, group_id: torch.Tensor, policy
 def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str, Any]:
     """TRL's loss inputs from a `ReplayBatch`: the IS weight folded into `advantages` (exact for
     TRL's policy losses, see the module docstring), `old_per_token_logps` the behaviour log-probs;
-    `replay_weights` and `replay_is_fresh` ride along for inspection (TRL's loss ignores them).
+    `replay_weights`, `replay_is_fresh` and `replay_policy_version` ride along (TRL's own loss ignores
+    them; ReplayGRPOTrainer's reads `replay_weights`).
     `num_items_in_batch` is this process's; a trainer sums it over processes."""
     parts = batch.split(prompt_side="left")
     if parts["completion_ids"].shape[1] == 0:  # every completion masked out: TRL needs one column to slice
@@ -156,6 +157,7 @@ def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str,
         "num_items_in_batch": parts["completion_mask"].sum(),
         "replay_weights": parts["weights"],
         "replay_is_fresh": parts["is_fresh"],
+        "replay_policy_version": parts["policy_version"],
     }
     if "ref_logprobs" in parts:
         out["ref_per_token_logps"] = parts["ref_logprobs"]
@@ -220,9 +222,6 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if args.use_vllm:
             raise ValueError("ReplayGRPOTrainer does not support use_vllm=True yet: vLLM's sampling log-probs and "
                              "IS ratios are not stored for replay")
-        if args.beta != 0.0 and args.sync_ref_model:
-            raise ValueError("ReplayGRPOTrainer does not support beta != 0 with sync_ref_model=True: the stored "
-                             "reference log-probs would go stale")
 
     def _storage(self):
         from torchreplay import TieredStorage
@@ -284,6 +283,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         batch = self.replay_buffer.compose(fresh, n_replay=n_replay, multiple_of=self.args.steps_per_generation)
         batch = self._same_size_on_every_process(batch, n)
         mixed = to_grpo_inputs(batch, device)
+        if self.beta != 0.0 and self.args.sync_ref_model:
+            self._refresh_reference_logprobs(mixed)
         if isinstance(self.pad_to_multiple_of, int):  # TRL's own shapes, for backends compiled per shape
             self._pad_widths(mixed, self.pad_to_multiple_of, batch.pad_token_id)
         mixed["num_items_in_batch"] = self.accelerator.gather(mixed["num_items_in_batch"].reshape(1)).sum()
@@ -322,6 +323,24 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if getattr(self, "_forward_outputs", None) is not None:  # inside _compute_loss: its one forward
             self._forward_outputs.append(out[:2])
         return out
+
+    @torch.no_grad()
+    def _refresh_reference_logprobs(self, mixed: dict[str, Any]) -> None:
+        """TRL's SyncRefModelCallback moves the reference model at the end of every optimizer step
+        that is a multiple of `ref_model_sync_steps`. A replayed row generated before the latest sync
+        holds the old reference's log-probs: recompute them with the current reference model."""
+        every = self.args.ref_model_sync_steps
+        last_sync = self.state.global_step // every * every
+        stale = ~mixed["replay_is_fresh"] & (mixed["replay_policy_version"] < last_sync)
+        if not bool(stale.any()):
+            return
+        rows = torch.nonzero(stale).flatten()
+        ids = torch.cat([mixed["prompt_ids"][rows], mixed["completion_ids"][rows]], dim=1)
+        mask = torch.cat([mixed["prompt_mask"][rows], mixed["completion_mask"][rows]], dim=1)
+        ref, _, _ = self._get_per_token_logps_and_entropies(
+            self.ref_model, ids, mask, mixed["completion_ids"].shape[1],
+            batch_size=self.args.per_device_train_batch_size)
+        mixed["ref_per_token_logps"][rows] = ref.to(mixed["ref_per_token_logps"].dtype)
 
     @torch.no_grad()
     def _behaviour_logprobs(self, outputs: dict[str, Any]) -> torch.Tensor:
