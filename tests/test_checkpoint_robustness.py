@@ -22,6 +22,7 @@ from rollouts import make_batch
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import FileStore, MissingObject, PermanentError, s3_error_class
 from torchreplay.errors import CheckpointError
+from torchreplay.storage import TieredStorage
 
 
 def run_with_tags(uri, steps=4, tagged=(1,)):
@@ -133,6 +134,29 @@ def test_a_closed_checkpointer_refuses_instead_of_hanging(tmp_path):
         buf.checkpoint()
     buf.add(make_batch(2, seed=1))  # a shard sealed after close is not pinned for an upload that never comes
     assert time.monotonic() - start < 5
+    buf.detach_checkpointer()
+    buf.close()
+
+
+def test_a_shard_sealed_after_close_is_not_pinned(tmp_path):
+    """No upload comes for a shard sealed after the checkpointer closed, so nothing may pin it: its
+    spill file goes when its rollouts die. Mutation seen failing: Checkpointer.shard_sealed
+    without its `if self._closed: return` (pinned for that upload, the file outlives them)."""
+    spill = tmp_path / "spill"
+    ckpt = Checkpointer(f"file://{tmp_path}/ckpt", interval_s=3600)
+    buf = tr.RolloutBuffer(4, checkpoint=ckpt, storage=TieredStorage(hot_bytes=0, spill_dir=spill, io="posix"), seed=0)
+    buf.add(make_batch(2, seed=0))
+    ckpt.close(final=False)
+    buf.storage.flush()
+    before_close = set(os.listdir(spill))
+    buf.add(make_batch(2, seed=1))  # sealed after close
+    buf.storage.flush()
+    sealed_after = set(os.listdir(spill)) - before_close
+    assert len(sealed_after) == 1
+    deleted = buf.metrics()["storage_deleted_shards"]
+    buf.add(make_batch(4, seed=2))  # capacity 4: every earlier rollout dies, and both shards with them
+    assert buf.metrics()["storage_deleted_shards"] == deleted + 2
+    assert not sealed_after & set(os.listdir(spill))
     buf.detach_checkpointer()
     buf.close()
 

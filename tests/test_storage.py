@@ -571,6 +571,60 @@ def test_hot_policy_decides_which_copy_is_dropped(tmp_path, policy, dropped):
     buf.close()
 
 
+class NewestDroppedFirst:
+    """A user-written HotPolicy (docs/api.md: any object with `added`, `touched`, `removed` and
+    `drop_order`; no base class): drops the most recently added shard's hot copy first, which
+    neither built-in does. It records what the storage tells it."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.events: list[tuple[str, int]] = []
+
+    def added(self, shard_id: int) -> None:
+        self.order.append(shard_id)
+        self.events.append(("added", shard_id))
+
+    def touched(self, shard_id: int) -> None:
+        self.events.append(("touched", shard_id))
+
+    def removed(self, shard_id: int) -> None:
+        if shard_id in self.order:
+            self.order.remove(shard_id)
+        self.events.append(("removed", shard_id))
+
+    def drop_order(self) -> list[int]:
+        return self.order[::-1]
+
+
+def test_a_user_written_hot_policy_decides_end_to_end(tmp_path):
+    """The storage tells a user's policy object of every shard added, sampled and removed, and
+    drops hot copies in its order: 10.4 KB shards under a 26 KB hot budget, so each third shard
+    costs one copy, here the newest's (lru would drop shard 1, newest-first shard 0). Mutations
+    seen failing: TieredStorage._enforce_budget walking the shards in id order instead of the
+    policy's drop_order (shard 0 read cold); a policy object replaced by LRUPolicy() (no event
+    reaches it)."""
+    policy = NewestDroppedFirst()
+    storage = TieredStorage(hot_bytes=26_000, spill_dir=tmp_path, io="posix", policy=policy)
+    buf = tr.RolloutBuffer(24, sampler=tr.UniformSampler(), storage=storage)
+    shards = [buf.add(make_batch(8, seed=i, min_len=100, max_len=100)) for i in range(3)]
+    storage.flush()
+    ids = [sid for event, sid in policy.events if event == "added"]
+    assert len(set(ids)) == 3 and policy.order == ids
+
+    def read_cold(handles) -> bool:
+        before = buf.metrics()["storage_cold_reads"]
+        buf.gather(handles.slot, count_use=False)
+        return buf.metrics()["storage_cold_reads"] > before
+
+    assert [read_cold(h) for h in shards] == [False, False, True]
+    assert ("touched", ids[0]) in policy.events  # gathering shard 0 was reported
+    shards.append(buf.add(make_batch(8, seed=3, min_len=100, max_len=100)))  # capacity 24: shard 0's rows die
+    storage.flush()
+    assert ("removed", ids[0]) in policy.events and ids[0] not in policy.order
+    assert [read_cold(h) for h in shards[1:]] == [False, True, True]  # the new shard's copy went
+    buf.close()
+
+
 @pytest.mark.parametrize("policy, dropped", [("lru", 1), ("newest", 0)])
 def test_device_policy_decides_which_device_copy_is_dropped(policy, dropped):
     """The device tier's `device_policy` (here on device="cpu", the CPU-testable path): 10.4 KB
