@@ -93,6 +93,11 @@ def test_background_publish_by_interval_and_close(tmp_path):
 
     time.sleep(0.1)
     buf.add(make_batch(4, seed=2))  # a call after the interval enqueues a manifest
+    # Written unless a newer publish is queued behind it (then superseded): wait for it before close.
+    deadline = time.monotonic() + 30
+    while not ckpt.published and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ckpt.published, "no background manifest after the interval"
     buf.close()  # and close publishes the final one
     assert read_manifest(open_store(uri))["rollouts"] == 8
     assert len(ckpt.published) >= 2

@@ -22,7 +22,7 @@ own publish fails.
 
 Threads and processes: the trainer thread only snapshots metadata (clones of the slot table) and
 enqueues work. One worker thread runs the queue in order (so a manifest always follows the uploads
-of the shards it names). The object-store requests themselves run in a helper process
+of the shards it names). What may wait in it is bounded (`max_pending_bytes`, backlog.py). The object-store requests themselves run in a helper process
 (uploader.py): boto3 is Python through and through, and on the worker thread it held the GIL long
 enough to multiply the trainer's p99 latency. The worker thread only packs state and waits on a
 pipe.
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchreplay import boundedjson, snapshot
 from torchreplay.checkpoint import tensorfile
+from torchreplay.checkpoint.backlog import DEFAULT_MAX_PENDING_BYTES, UploadBacklog, check_limit, shard_file_bytes
 from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_key, open_store
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
@@ -80,7 +81,8 @@ class _Upload:
     key: str
     source: Any  # a file path (spilled shard) or a PackedBatch (hot-only storage)
     spill: Any  # the spill's Future, or None
-    shard: Any  # pinned storage shard, unpinned once the upload succeeds or the shard is released
+    shard: Any  # pinned storage shard, unpinned once the worker is done with this upload
+    size: int = 0  # bytes held against max_pending_bytes (0: held by a publish, see backlog.py)
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Publish:
     tag: str | None
     taken_at: float  # time.monotonic() of the snapshot: how old the durable state is, once published
     background: bool
+    uploads: list[_Upload] = field(default_factory=list)  # pinned: named shards not stored at the snapshot
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -119,11 +122,16 @@ class Checkpointer:
             between trainer, data loaders and I/O. Keep the trainer off them: sharing its CPU and
             caches with the uploads is what raises its p99 latency (docs/benchmarks.md).
         multipart_bytes: S3 objects of this size or more are uploaded in parts of this size.
+        max_pending_bytes: shard bytes that may wait, pinned, for a background upload (default
+            1 GiB; 0: none, every shard goes up with the next publish). A sealed shard beyond it
+            waits unpinned for the next publish, which uploads it if still live: a slow store
+            costs checkpoint staleness, not disk (backlog.py, docs/checkpoints.md).
     """
 
     def __init__(self, uri: str, interval_s: float = 60.0, keep_last: int = 2, endpoint_url: str | None = None,
                  retry_budget_s: float = 60.0, helper_cpus: list[int] | None = None,
-                 multipart_bytes: int = 64 << 20, on_error: str = "warn", keep_tags: int | None = None) -> None:
+                 multipart_bytes: int = 64 << 20, on_error: str = "warn", keep_tags: int | None = None,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         if not (isinstance(interval_s, (int, float)) and interval_s > 0):
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -137,6 +145,7 @@ class Checkpointer:
             raise ValueError(f"retry_budget_s must be a number >= 0, got {retry_budget_s!r}")
         if isinstance(multipart_bytes, bool) or not isinstance(multipart_bytes, int) or multipart_bytes < 5 << 20:
             raise ValueError(f"multipart_bytes must be an int >= 5 MiB (S3's smallest part), got {multipart_bytes!r}")
+        check_limit(max_pending_bytes)
         if helper_cpus is not None:
             if isinstance(helper_cpus, (str, bytes)) or not all(
                     isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
@@ -164,7 +173,7 @@ class Checkpointer:
         # Per durable shard key, what identifies its object in manifests ({"bytes", "header_crc32"}):
         # the shards uploaded here, and those a resumed job carried over.
         self._shard_ids: dict[str, dict[str, int]] = {}
-        self._pending: dict[str, _Upload] = {}  # worker only: uploads that failed, retried by the next publish
+        self._backlog = UploadBacklog(max_pending_bytes)
         self._manifest_refs: dict[str, tuple[set[str], set[str]]] = {}  # worker only: manifests are immutable
         self._tag_pointers: dict[str, dict[str, Any]] = {}  # worker only: tags/<tag>.json -> its pointer
         self._queue: queue.Queue = queue.Queue()
@@ -228,7 +237,7 @@ class Checkpointer:
         last = self._last_success_unix
         return {"checkpoint_failures": float(self.failures),
                 "checkpoint_last_success_s": math.nan if last is None else last,
-                "checkpoint_lag_s": time.monotonic() - self._durable_taken_at}
+                "checkpoint_lag_s": time.monotonic() - self._durable_taken_at, **self._backlog.metrics()}
 
     def shard_sealed(self, shard_id: int) -> None:
         if self._closed:
@@ -238,9 +247,11 @@ class Checkpointer:
         key = f"shards/{self.session}-{shard_id:010d}.trs"
         with self._keys_lock:
             self._keys[shard_id] = key
+        size = shard_file_bytes(shard)
+        if not self._backlog.admit(size):
+            return  # no room: it waits, unpinned, for the next publish that names it
         storage.pin_shards([shard_id])  # its file must outlive the upload even if its rollouts die
-        source = shard.path if shard.path is not None else shard.batch()
-        self._queue.put(_Upload(shard_id, key, source, shard.write, shard))
+        self._queue.put(_upload(shard_id, key, shard, size))
 
     def shard_released(self, shard_id: int) -> None:
         with self._keys_lock:
@@ -274,11 +285,17 @@ class Checkpointer:
         live_ids, live_rows = snapshot.live_shards(buffer.slots)
         with self._keys_lock:
             keys = {sid: self._keys[sid] for sid in live_ids}
+        # The named shards not stored yet (deferred, or queued but skipped if they die first) are
+        # pinned for this publish, which uploads them.
+        owed = [sid for sid, key in keys.items() if key not in self._durable]
+        buffer.storage.pin_shards(owed)
+        uploads = [_upload(sid, keys[sid], buffer.storage.shard(sid)) for sid in owed]
         with self._sequence_lock:
             sequence = self._sequence
             if sequence is not None:
                 self._sequence += 1
-        job = _Publish(sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background)
+        job = _Publish(sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background,
+                       uploads)
         self._last_publish = time.monotonic()
         self.last_manifest = None if sequence is None else f"manifests/{sequence:012d}.json"
         self._queue.put(job)
@@ -320,8 +337,6 @@ class Checkpointer:
             self._drain()
         finally:
             self._remote.close()
-            self._unpin([job.shard for job in self._pending.values()])
-            self._pending.clear()
 
     def _drain(self) -> None:
         while True:
@@ -336,7 +351,8 @@ class Checkpointer:
                 except queue.Empty:
                     break
             uploads: list[_Upload] = []
-            for job in jobs:
+            last_publish = max((i for i, job in enumerate(jobs) if isinstance(job, _Publish)), default=-1)
+            for i, job in enumerate(jobs):
                 if isinstance(job, _Upload):
                     uploads.append(job)
                     continue
@@ -344,6 +360,9 @@ class Checkpointer:
                 uploads = []
                 if job is None:
                     return
+                if job.background and job.tag is None and i < last_publish:
+                    self._supersede(job)  # a newer publish is queued behind it
+                    continue
                 self._run_publish(job)
             self._upload_all(uploads)
 
@@ -361,18 +380,24 @@ class Checkpointer:
             self.buffer.storage.unpin_shards(shards)
 
     def _upload_all(self, jobs: list[_Upload]) -> None:
-        """Upload shards; during an incident they wait for the next publish instead of each
-        spending the retry budget against a store that is down."""
+        """Upload the queued shards still live (the dead ones are skipped). During an incident, or
+        when this fails, they are left to the next publish, which uploads those it names, instead
+        of each spending the retry budget against a store that is down."""
         if not jobs:
             return
-        if self._incident is not None:
-            self._pending.update((job.key, job) for job in jobs)
-            return
+        with self._keys_lock:
+            live = [job for job in jobs if self._keys.get(job.shard_id) == job.key]
+        self._backlog.count("skipped_uploads", len(jobs) - len(live))
         try:
-            self._put_shards(jobs)
+            if self._incident is not None:
+                self._backlog.count("deferred_shards", len(live))
+            elif live:
+                self._put_shards(live)
         except Exception as exc:  # noqa: BLE001 - counted and retried, never fatal to training
-            self._pending.update((job.key, job) for job in jobs)
             self._failed(str(exc))
+        finally:
+            self._unpin([job.shard for job in jobs])
+            self._backlog.settle(sum(job.size for job in jobs))
 
     def _put_shards(self, jobs: list[_Upload]) -> None:
         files: list[_Upload] = []
@@ -386,9 +411,6 @@ class Checkpointer:
             self._remote.put_files([(job.key, job.source) for job in files])
             self._durable.update(job.key for job in files)
             self._shard_ids.update((job.key, _identity(job.shard.header)) for job in files)
-        for job in jobs:
-            self._pending.pop(job.key, None)
-        self._unpin([job.shard for job in jobs])
 
     def _ready_file(self, job: _Upload) -> bool:
         """Wait for the shard's spill; True when its file is complete and can go up as a file."""
@@ -430,19 +452,24 @@ class Checkpointer:
                             self.published[-1], self.failures)
                 self._incident = None
         finally:
+            self._unpin([up.shard for up in job.uploads])
+            job.uploads = []
             job.done.set()
 
+    def _supersede(self, job: _Publish) -> None:
+        """Drop a background publish: a newer one queued behind it writes a newer state."""
+        self._unpin([up.shard for up in job.uploads])
+        job.uploads = []
+        self._backlog.count("superseded_publishes")
+        job.done.set()
+
     def _publish(self, job: _Publish) -> None:
-        with self._keys_lock:
-            still_live = dict(self._keys)
-        # Shards whose upload failed earlier: the ones this manifest needs go up now; the ones the
-        # buffer has released since will never be named again.
-        gone = [key for key, up in self._pending.items() if still_live.get(up.shard_id) != key]
-        self._unpin([self._pending.pop(key).shard for key in gone])
+        # The shards this manifest needs that were not stored at its snapshot (deferred ones, and
+        # queued ones skipped or failed since) go up now.
+        owed = [up for up in job.uploads if up.key not in self._durable]
+        if owed:
+            self._put_shards(owed)
         named = set(job.shard_keys.values())
-        retry = [up for key, up in self._pending.items() if key in named]
-        if retry:
-            self._put_shards(retry)
         missing = [k for k in named if k not in self._durable]
         if missing:
             raise CheckpointError(f"manifest {job.sequence} names shards that are not durable: {missing[:3]}")
@@ -647,3 +674,8 @@ def validate_manifest(m: Any) -> None:
     if total_live != m["rollouts"]:
         raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")
 
+
+def _upload(shard_id: int, key: str, shard: Any, size: int = 0) -> _Upload:
+    """An upload of a pinned storage shard, from its file or, without one, its hot copy."""
+    source = shard.path if shard.path is not None else shard.batch()
+    return _Upload(shard_id, key, source, shard.write, shard, size)

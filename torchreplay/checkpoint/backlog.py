@@ -1,0 +1,81 @@
+"""What may wait for a background upload: `Checkpointer(max_pending_bytes=...)`.
+
+A shard queued for upload is pinned: its file (or hot copy) stays even after its last rollout
+dies, until the checkpoint worker has stored it. A store slower than the buffer seals shards
+would otherwise let pinned dead shards pile up in spill_dir (a soak held 214 MB of them against
+2 MiB live). So:
+
+- a sealed shard is queued only while the bytes queued stay within `max_pending_bytes`; one that
+  does not fit is *deferred*: not pinned (its file goes as soon as its rollouts do), and uploaded
+  by the next publish that names it, if it is still live then;
+- a queued shard whose rollouts all died before its turn is not uploaded (*skipped*);
+- a background publish with a newer publish queued behind it is dropped (*superseded*): the newer
+  one writes the newer state.
+
+A slow store then costs staleness of the checkpoint (`checkpoint_lag_s`), never unbounded disk or
+memory. A publish itself holds the shards its snapshot names until it has uploaded them: at most
+the live set at the snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torchreplay.storage import format as fmt
+
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+
+def check_limit(max_pending_bytes: Any) -> int:
+    if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
+        raise TypeError(f"max_pending_bytes must be an int (bytes), got {type(max_pending_bytes).__name__}")
+    if max_pending_bytes < 0:
+        raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
+    return max_pending_bytes
+
+
+def shard_file_bytes(shard: Any) -> int:
+    """The size of a storage shard's file: exact once its header is known, else an upper bound
+    from its tensors (every block and the header start on a 4 KiB boundary, and the header holds
+    one checksum of at most 12 bytes per 64 KiB page, which data // 4096 covers)."""
+    if shard.header is not None:
+        return int(shard.header.file_bytes)
+    data = shard.token_bytes + shard.offsets.numel() * shard.offsets.element_size()
+    data += sum(t.numel() * t.element_size() for t in shard.rollout.values())
+    blocks = 1 + len(shard.token_fields) + len(shard.rollout)
+    return data + (blocks + 2) * fmt.ALIGN + data // 4096
+
+
+class UploadBacklog:
+    """The bytes queued for background upload against the limit, and what was left out.
+    The trainer thread admits, the checkpoint worker settles: one lock between them."""
+
+    def __init__(self, max_pending_bytes: int) -> None:
+        self.limit = check_limit(max_pending_bytes)
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._counts = {"deferred_shards": 0, "skipped_uploads": 0, "superseded_publishes": 0}
+
+    def admit(self, nbytes: int) -> bool:
+        """Queue `nbytes` more if they fit under the limit; else count the shard as deferred."""
+        with self._lock:
+            if self._bytes + nbytes > self.limit:
+                self._counts["deferred_shards"] += 1
+                return False
+            self._bytes += nbytes
+            return True
+
+    def settle(self, nbytes: int) -> None:
+        """Queued bytes the worker is done with (uploaded, skipped or dropped)."""
+        with self._lock:
+            self._bytes -= nbytes
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"checkpoint_pending_bytes": float(self._bytes),
+                    **{f"checkpoint_{k}": float(v) for k, v in self._counts.items()}}
