@@ -75,9 +75,9 @@ def answer_format(completions, **_):
     return [0.2 * is_number(c.split(EOS)[0].strip()) for c in completions]
 
 
-def build_trainer(output_dir: str, steps: int, seed: int = 0, model=None, **overrides):
+def build_trainer(output_dir: str, steps: int, seed: int = 0, model=None, peft_config=None, **overrides):
     """`model`: a local path (TRL loads a KL reference model from the same path) or None for a
-    fresh tiny model."""
+    fresh tiny model; `peft_config`: e.g. a `peft.LoraConfig` to train an adapter."""
     from torchreplay.integrations.trl import ReplayGRPOConfig, ReplayGRPOTrainer
 
     tokenizer = char_tokenizer()
@@ -90,7 +90,7 @@ def build_trainer(output_dir: str, steps: int, seed: int = 0, model=None, **over
     settings.update(overrides)
     args = ReplayGRPOConfig(**settings)
     return ReplayGRPOTrainer(model=model or tiny_model(tokenizer, seed), reward_funcs=[make_reward(rg), answer_format], args=args,
-                             train_dataset=dataset, processing_class=tokenizer)
+                             train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
 
 
 def main() -> None:
