@@ -3,9 +3,9 @@ list the store at start must not reuse an earlier run's manifest numbers; retent
 tagged manifest to a failed read; a publish is not failed by its clean-up; a closed checkpointer
 refuses instead of hanging; hostile states are refused before allocation; temp files go away."""
 
+import dataclasses
 import glob
 import json
-import logging
 import os
 import re
 import subprocess
@@ -328,8 +328,31 @@ def test_pad_token_id_must_fit_the_token_dtype():
 
 
 def test_buffer_config_is_immutable_and_hashable():
-    buf = tr.RolloutBuffer(4, extra_fields={"x": tr.FieldSpec("x", "rollout", torch.float32)})
+    """docs/api.md: BufferConfig is a frozen dataclass whose fingerprint is equal exactly when two
+    configurations are. So configs built apart from equal arguments (and one rebuilt from JSON)
+    are equal, hash equal and act as one dict key; a config differing in any one argument is
+    unequal and has another fingerprint. Mutations seen failing: `__hash__` by identity
+    (`hash(id(self))`), and `to_json` leaving out `max_reuse` (a config rebuilt from it differs)."""
+    def build(**overrides):
+        kwargs = dict(capacity=8, max_staleness=2, max_reuse=3,
+                      extra_fields={"x": tr.FieldSpec("x", "rollout", torch.float32)})
+        return tr.RolloutBuffer(**{**kwargs, **overrides}).config()
+
+    base = build()
+    twin, rebuilt = build(), type(base).from_json(base.to_json())
+    for same in (twin, rebuilt):
+        assert same is not base and same == base and hash(same) == hash(base)
+        assert same.fingerprint() == base.fingerprint()
+    assert len({base: 1, twin: 2, rebuilt: 3}) == 1
+    variants = [build(capacity=9), build(max_staleness=None), build(max_reuse=4), build(overflow="raise"),
+                build(padding_side="left"), build(pad_token_id=7), build(ref_logprobs=True), build(on_corrupt="skip"),
+                build(token_dtype=torch.int32), build(sampler=tr.UniformSampler()),
+                build(extra_fields={"x": tr.FieldSpec("x", "rollout", torch.float64)}),
+                build(extra_fields={"y": tr.FieldSpec("y", "rollout", torch.float32)})]
+    for other in variants:
+        assert other != base and other.fingerprint() != base.fingerprint(), other
+    assert len({c.fingerprint() for c in variants}) == len(variants)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.capacity = 9
     with pytest.raises(TypeError):
-        buf.settings.extra_fields["y"] = None
-    assert hash(buf.config()) == hash(buf.config())
-    logging.getLogger(__name__).debug("config %s", buf.config().fingerprint())
+        base.extra_fields["y"] = None
