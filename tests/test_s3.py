@@ -171,12 +171,15 @@ def test_lazy_restore_downloads_a_shard_only_when_a_sample_needs_it(s3_server, s
     assert resumed.metrics()["storage_fetched_shards"] == 2 and len(list(spill.glob("*.trs"))) == 2
     assert s3_server.faults.get_bytes - before < restore_bytes + 0.5 * shard_bytes
 
-    # A shard that vanished from the store after the restore: a clear StorageError on first use.
+    # A shard that vanished from the store after the restore (S3 answers 404): a clear StorageError
+    # on first use, its rollouts evicted and counted (they can never be served).
     others = ((resumed.slots.chunk != resumed.slots.chunk[wanted[0]])
               & (resumed.slots.chunk != resumed.slots.chunk[wanted[-1]]) & resumed.slots.live).nonzero().flatten()
+    lost = int((resumed.slots.live & (resumed.slots.chunk == resumed.slots.chunk[others[0]])).sum())
     store.delete([s["key"] for s in read_manifest(store)["shards"]])
-    with pytest.raises(tr.StorageError, match="cannot fetch restored shard"):
+    with pytest.raises(tr.StorageError, match="is no longer in s3://"):
         resumed.gather(others[:1], count_use=False)
+    assert resumed.metrics()["evicted_corrupt"] == lost and not bool(resumed.slots.live[others[0]])
     resumed.gather(wanted, count_use=False)  # what is here keeps serving
     resumed.close()
     buf.close()
