@@ -30,6 +30,28 @@ CXX_FLAGS += [
 ]
 
 
+def have_zlib_headers() -> bool:
+    """Whether the C++ compiler finds zlib.h. A minimal image (the GPU machine's, say) may lack zlib's
+    development headers; the extension then uses its own table-driven CRC (csrc/crc32.h), the same
+    checksum, instead of failing to build."""
+    import shutil
+    import subprocess
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return True  # let the build itself report the missing compiler
+    probe = subprocess.run([compiler, "-x", "c++", "-E", "-", "-o", os.devnull], input="#include <zlib.h>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+ZLIB = have_zlib_headers()
+if not ZLIB:
+    print("torchreplay: zlib.h not found, building with the portable CRC (TORCHREPLAY_NO_ZLIB)")
+    CXX_FLAGS += ["-DTORCHREPLAY_NO_ZLIB"]
+LIBRARIES = ["z"] if ZLIB else []
+
+
 def want_cuda() -> bool:
     if os.environ.get("TORCHREPLAY_FORCE_CPU", "0") == "1":
         return False
@@ -48,11 +70,11 @@ def extension():
             sources,
             extra_compile_args={"cxx": cxx, "nvcc": NVCC_FLAGS},
             extra_link_args=["-fopenmp"],
-            libraries=["z"],
+            libraries=LIBRARIES,
         )
     return CppExtension(
         "torchreplay._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"],
-        libraries=["z"],  # zlib's crc32 for the shard reader: the same checksum Python's zlib writes
+        libraries=LIBRARIES,  # zlib's crc32 for the shard reader: the same checksum Python's zlib writes
     )
 
 

@@ -8,7 +8,14 @@
 // the last < 16 bytes. Elsewhere zlib does everything.
 #pragma once
 
+// Without zlib's headers (a minimal build image), setup.py defines TORCHREPLAY_NO_ZLIB and the
+// table-driven CRC of crc32_portable.h takes zlib's place: the same checksum, slower on short
+// buffers only, since the bulk still goes through the carry-less multiply path.
+#ifdef TORCHREPLAY_NO_ZLIB
+#include "crc32_portable.h"
+#else
 #include <zlib.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +28,16 @@
 namespace torchreplay {
 namespace crc {
 
+#ifdef TORCHREPLAY_NO_ZLIB
+inline uint32_t crc32_zlib(uint32_t crc, const uint8_t* data, size_t n) {
+  static const auto table = [] {
+    struct Table { uint32_t entry[256]; } t{};
+    for (uint32_t i = 0; i < 256; ++i) t.entry[i] = table_entry(i);
+    return t;
+  }();
+  return crc32_table(table.entry, crc, data, n);
+}
+#else
 inline uint32_t crc32_zlib(uint32_t crc, const uint8_t* data, size_t n) {
   // zlib takes uInt lengths; pages are at most 1 GiB, but stay correct for any size.
   while (n > 0) {
@@ -31,6 +48,7 @@ inline uint32_t crc32_zlib(uint32_t crc, const uint8_t* data, size_t n) {
   }
   return crc;
 }
+#endif
 
 #ifdef TORCHREPLAY_CRC32_CLMUL
 // Folding constants for the reflected polynomial 0x104C11DB7, each x^k mod P bit-reflected:
