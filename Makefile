@@ -26,6 +26,7 @@ $(DEPS): requirements-dev.txt
 	$(BIN)/pip install --disable-pip-version-check --no-deps verl==0.9.1
 	@# With a CUDA driver, the `gpu` extra (kvikio) too: its tests fail rather than skip without it.
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --disable-pip-version-check kvikio-cu13; fi
+	@# Last: the stamp also tells the tests (tests/extras.py) that trl, verl and tensordict are installed.
 	touch $@
 
 $(EXT): $(DEPS) $(SOURCES) $(TORCH_STAMP)

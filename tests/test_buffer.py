@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 import torchreplay as tr
+from extras import require
 from rollouts import make_batch
 
 P_MIN = 1e-3  # chi-square tests (independent draws only) reject below this p-value; seeds are fixed
@@ -140,7 +141,7 @@ def test_tensordict_input_when_installed():
 
     Mutation seen failing: schema._ragged unbinding a nested tensor in reverse order (all nested
     fields reversed alike, so counts and lengths still agree and the old count-only test passed)."""
-    tensordict = pytest.importorskip("tensordict")
+    tensordict = require("tensordict", "pip install tensordict; make test installs it from requirements-dev.txt")
     batch = make_batch(4, seed=3)
     batch["policy_version"] = torch.tensor([2, 0, 1, 2])
     td = tensordict.TensorDict(

@@ -198,3 +198,26 @@ def test_wheel_metadata(pyproject, tmp_path):
     assert len(verl) == 1 and ">=0.9.1" in verl[0] and "<0.10" in verl[0], verl
     provides = {line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Provides-Extra:")}
     assert {"gpu", "demo", "test", "trl", "verl", "test-verl"} <= provides
+
+
+def test_the_makefile_stamps_the_environment_whose_extras_the_tests_require():
+    """tests/extras.py makes a missing trl, verl or tensordict a failure where the Makefile built the
+    environment, recognised by the stamp its $(DEPS) target touches after installing them. If the
+    stamp moved or were touched before those installs, a broken install would be skipped again.
+    Mutation seen failing: the stamp renamed in the Makefile (`DEPS := $(VENV)/.deps-done`)."""
+    import extras
+
+    makefile = ROOT / "Makefile"
+    if not makefile.is_file():
+        pytest.skip("not a source tree")
+    text = makefile.read_text()
+    assert re.search(r"^VENV\s*:=\s*\.venv\s*$", text, re.M)
+    assert re.search(rf"^DEPS\s*:=\s*\$\(VENV\)/{re.escape(extras.MAKEFILE_STAMP_NAME)}\s*$", text, re.M)
+    recipe = re.search(r"^\$\(DEPS\):.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    lines = recipe.splitlines()
+    stamp = next(i for i, line in enumerate(lines) if line.strip() == "touch $@")
+    installs = "\n".join(lines[:stamp])
+    assert "-r requirements-dev.txt" in installs and "verl==" in installs  # every extra, before the stamp
+    requirements = (ROOT / "requirements-dev.txt").read_text()
+    for package in ("trl", "tensordict"):
+        assert re.search(rf"^{package}==", requirements, re.M), package
