@@ -212,29 +212,50 @@ def test_pad_to_multiple_of_holds_for_mixed_batches(tmp_path):
         assert inputs["old_per_token_logps"].shape == inputs["completion_mask"].shape == inputs["completion_ids"].shape
 
 
-def test_without_args_the_default_config_is_grpo_trainers(tmp_path, monkeypatch):
-    """Like GRPOTrainer, no `args` builds a default config named after the model (`<name>-GRPO` in the
-    working directory): GRPOConfig's defaults plus replay's. Those defaults ask for bf16, which
-    TrainingArguments refuses on a CPU-only machine (stock GRPOTrainer too), so the test stands in a
-    bf16-capable accelerator."""
+@pytest.fixture
+def default_trainer_setup(tmp_path, monkeypatch):
+    """What `ReplayGRPOTrainer(model=..., reward_funcs=..., train_dataset=...)` needs, in a working
+    directory of its own. GRPOConfig's defaults ask for bf16, which TrainingArguments refuses on a
+    CPU-only machine (stock GRPOTrainer too), so this stands in a bf16-capable accelerator."""
     import transformers.training_args
-    from trl import GRPOTrainer
-    from trl_grpo_replay import arithmetic_dataset, char_tokenizer, make_reward, tiny_model
-
-    from torchreplay.integrations.trl import ReplayGRPOConfig, ReplayGRPOTrainer
+    from trl_grpo_replay import answer_format, arithmetic_dataset, char_tokenizer, make_reward, tiny_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda *a, **k: True)
     tokenizer = char_tokenizer()
     tiny_model(tokenizer).save_pretrained(tmp_path / "tiny-qwen")
     dataset, rg = arithmetic_dataset(size=8)
-    common = dict(reward_funcs=make_reward(rg), train_dataset=dataset, processing_class=tokenizer)
-    stock = GRPOTrainer(model="tiny-qwen", **common).args.to_dict()
-    trainer = ReplayGRPOTrainer(model="tiny-qwen", **common)
+    return dict(reward_funcs=[make_reward(rg), answer_format], train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_without_args_the_default_config_is_grpo_trainers(default_trainer_setup):
+    """Like GRPOTrainer, no `args` builds a default config named after the model (`<name>-GRPO` in the
+    working directory): GRPOConfig's defaults plus replay's."""
+    from trl import GRPOTrainer
+
+    from torchreplay.integrations.trl import ReplayGRPOConfig, ReplayGRPOTrainer
+
+    stock = GRPOTrainer(model="tiny-qwen", **default_trainer_setup).args.to_dict()
+    trainer = ReplayGRPOTrainer(model="tiny-qwen", **default_trainer_setup)
     assert isinstance(trainer.args, ReplayGRPOConfig) and trainer.args.output_dir == "tiny-qwen-GRPO"
     ours = trainer.args.to_dict()
     assert {k: v for k, v in ours.items() if k in stock} == stock
     assert ours["replay_ratio"] == 0.5 and ours["replay_sampler"] == "prioritized"
+
+
+@pytest.mark.slow
+def test_default_config_trains_with_replay_and_resumes(tmp_path, default_trainer_setup):
+    """Training at the defaults (prioritized replay, dapo, 512-token completions, bf16) with the
+    checks every configuration gets. Slow (about 30 s of CPU): the default completions are long."""
+    from torchreplay.integrations.trl import ReplayGRPOTrainer
+
+    def default_trainer(output_dir):
+        """The default config; only the run's length and checkpoint steps (read when training) are set."""
+        trainer = ReplayGRPOTrainer(model="tiny-qwen", **default_trainer_setup)
+        trainer.args.output_dir, trainer.args.max_steps, trainer.args.save_steps = output_dir, 3, 2
+        return trainer
+
+    train_check_and_resume(tmp_path, save_at=2, make=default_trainer)
 
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -386,16 +407,18 @@ def buffer_contents(buffer):
     return slots, buffer.gather(slots, count_use=False).data
 
 
-def train_check_and_resume(tmp_path, steps=4, save_at=2, check_loss=True, **overrides):
+def train_check_and_resume(tmp_path, steps=4, save_at=2, check_loss=True, make=None, **overrides):
     """One configuration on the real trainer, the three checks every configuration gets:
     - replay happened, and replayed rows with IS weights below 1 reached the loss;
     - every loss TRL computed equals the hand-written loss with each row's whole contribution times
       its weight (`check_loss`: needs the reference log-probs in the inputs when beta != 0);
     - a run resumed from checkpoint-`save_at` ends with the uninterrupted run's buffer, field by field.
+    `make(output_dir)`, when given, builds the trainer instead of the example's `build_trainer`.
     Returns the uninterrupted trainer and its recorded rounds and loss inputs."""
     common = dict(replay_sampler="prioritized", replay_alpha=1.0, replay_beta=1.0, save_strategy="steps",
                   save_steps=save_at, **overrides)
-    straight = build_trainer(str(tmp_path / "a"), steps=steps, **common)
+    make = make or (lambda out: build_trainer(out, steps=steps, **common))
+    straight = make(str(tmp_path / "a"))
     rounds, losses = record_rounds(straight)
     checked = []
     if check_loss:
@@ -425,7 +448,7 @@ def train_check_and_resume(tmp_path, steps=4, save_at=2, check_loss=True, **over
     checkpoint = tmp_path / "a" / f"checkpoint-{save_at}"
     assert (checkpoint / "replay_buffer.json").exists()
 
-    resumed = build_trainer(str(tmp_path / "b"), steps=steps, **common)
+    resumed = make(str(tmp_path / "b"))
     resumed.train(resume_from_checkpoint=str(checkpoint))
     a, b = straight.replay_buffer.metrics(), resumed.replay_buffer.metrics()
     for key in ("size", "added", "sampled_fresh", "sampled_replay", "reuse_mean", "age_mean", "evicted_reuse",
