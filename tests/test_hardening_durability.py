@@ -198,9 +198,9 @@ def test_background_publishes_superseded_in_the_queue_are_not_written(s3_server,
     buf.checkpoint()
     store = open_store(uri, s3_server.endpoint_url)
     assert len(store.list("manifests")) == 1
-    s3_server.faults.delay_s = 0.5
-    # The request already delayed finishes at ~0.55 s; the publishes after it need no delay.
-    fast_again = threading.Timer(0.4, setattr, (s3_server.faults, "delay_s", 0.0))
+    s3_server.faults.delay_s = 1.0
+    # The shard's upload, delayed, ends after ~1.05 s; the publishes (queued by ~0.25 s) need no delay.
+    fast_again = threading.Timer(0.8, setattr, (s3_server.faults, "delay_s", 0.0))
     fast_again.start()
     buf.add(make_batch(8, seed=2))
     time.sleep(0.2)  # past the worker's 50 ms gathering window: it is uploading that shard now
