@@ -518,8 +518,7 @@ def test_lora_training_with_replay_resumes_exactly(tmp_path):
     """A LoRA adapter (TRL's peft_config) trains with replay. With beta != 0 (the harder case: the
     policy and the reference are one model) TRL takes the reference log-probs from the base model,
     adapter disabled; they are stored and replayed like any other, and the KL weighting holds."""
-    import peft  # requirements-dev.txt installs it
-
+    peft = require("peft", "pip install peft; make test installs it from requirements-dev.txt")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     straight, _, losses = train_check_and_resume(tmp_path, peft_config=config, beta=0.04, learning_rate=3e-2)
     assert isinstance(straight.model, peft.PeftModel)
