@@ -88,7 +88,11 @@ OUT_OF_RANGE = [
 @pytest.mark.parametrize("what, edit, field", OUT_OF_RANGE, ids=[case[0] for case in OUT_OF_RANGE])
 def test_integers_out_of_range_are_refused_before_adoption(tmp_path, what, edit, field):
     """Each used to restore (`version = 2**63` gave ages of -2**63; `next_seq`/`max_reuse` at
-    10**30 made the next add or sample raise OverflowError), or to escape as OverflowError."""
+    10**30 made the next add or sample raise OverflowError), or to escape as OverflowError.
+
+    Mutations run: `check_int64` left out of `BufferSnapshot.from_state` (the capacity case is then
+    refused only as a slot-count mismatch that does not name the field); SlotTable's per-slot
+    column ranges left out (the generation and reuse cases restore)."""
     root, uri = write_checkpoint(tmp_path)
     forge_state(root, edit)
     with pytest.raises(CheckpointError, match=field):
@@ -164,21 +168,22 @@ def test_caps_beyond_the_documented_range_are_refused_at_construction():
 
 
 # ------------------------------------------------------------------- item 4: a swapped shard object
-def two_shard_checkpoint(tmp_path, lazy_resume=False):
-    """Two shards of the same size and layout, different tokens: (root, uri, manifest, tokens of
-    each shard's rows by manifest position)."""
+def two_shard_checkpoint(tmp_path):
+    """Two shards of the same size and layout (~400 KiB each: far more than the 64 KiB first read
+    of a header), different tokens: (root, uri, manifest, tokens of each shard's rows by manifest
+    position)."""
     uri = f"file://{tmp_path}/ckpt"
     buf = tr.RolloutBuffer(16, checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
     tokens = []
     for k in range(2):
-        batch = make_batch(6, version=1, seed=10 + k, min_len=5, max_len=5)
+        batch = make_batch(6, version=1, seed=10 + k, min_len=5000, max_len=5000)
         buf.add(batch)
         tokens.append(torch.stack(batch["tokens"]))
     buf.close()
     root = tmp_path / "ckpt"
     manifest = read_manifest(open_store(uri))
     sizes = [(root / s["key"]).stat().st_size for s in manifest["shards"]]
-    assert len(manifest["shards"]) == 2 and sizes[0] == sizes[1]
+    assert len(manifest["shards"]) == 2 and sizes[0] == sizes[1] > 5 * 64 * 1024
     return root, uri, manifest, tokens
 
 
@@ -212,8 +217,12 @@ def reads(monkeypatch):
 @pytest.mark.parametrize("how", ["eager", "lazy", "import", "inspect"])
 def test_a_swapped_shard_object_is_refused_unread(tmp_path, reads, how):
     """`shards[0].key` pointed at the other shard's object (same size): refused before adoption,
-    having read no more of the object than the first ranged read of its header (64 KiB).
-    It used to restore, and `gather` returned the other shard's tokens."""
+    having read no more of the object than the first ranged read of its header (64 KiB) for that
+    entry, and the header and small blocks for the entry that rightly names it. It used to
+    restore, and `gather` returned the other shard's tokens.
+
+    Mutation run: the recorded CRC checked only on the downloaded file (eager restore), not on the
+    first ranged read: the object was downloaded whole (the bound on bytes read failed)."""
     from torchreplay.cli import main as cli_main
 
     root, uri, manifest, _ = two_shard_checkpoint(tmp_path)
@@ -231,7 +240,8 @@ def test_a_swapped_shard_object_is_refused_unread(tmp_path, reads, how):
                 tr.RolloutBuffer.from_checkpoint(uri, progress=False, lazy=True, storage=storage)
             else:
                 tr.RolloutBuffer(16).import_checkpoint(uri)
-    assert reads.get(swapped, 0) <= 2 * 64 * 1024  # at most the header read of each entry naming it
+    # Two 64 KiB first reads and the other entry's small blocks; the object is 5x that.
+    assert reads.get(swapped, 0) <= 3 * 64 * 1024
 
 
 def test_a_manifest_without_header_crcs_still_restores(tmp_path):
@@ -248,7 +258,10 @@ def test_a_manifest_without_header_crcs_still_restores(tmp_path):
 
 def test_a_resumed_job_records_carried_shards_identity(tmp_path):
     """Shards carried over from the run a job resumed (not uploaded by this session) get their
-    size and header CRC in the resumed job's manifests too, so a swap is refused there as well."""
+    size and header CRC in the resumed job's manifests too, so a swap is refused there as well.
+
+    Mutations run: `Checkpointer.attach` not recording the carried shards' identity, and hot-only
+    `TieredStorage.adopt` not keeping the adopted shard's header: each fails the comparison."""
     root, uri, manifest, _ = two_shard_checkpoint(tmp_path)
     for tiered in (False, True):
         storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / f"spill{tiered}", io="posix") if tiered else None
@@ -298,7 +311,11 @@ def test_a_vanished_lazy_shard_is_evicted_once_and_later_samples_work(tmp_path, 
     It used to raise `StorageError: cannot fetch restored shard` on all 20 calls, with `len` 128
     and `evicted_corrupt` 0. Now its 16 rollouts are evicted and counted at the first sample that
     needs them: "skip" draws again (no call fails), "raise" raises from that call only. An object
-    overwritten by another shard's (same size) is the same loss: its rows are never returned."""
+    overwritten by another shard's (same size) is the same loss: its rows are never returned.
+
+    Mutations run: the restore's `fetch` not turning MissingObject into MissingShard (the deleted
+    cases fail as before); `ensure_local` without the header-CRC comparison (the overwritten cases
+    fail: the other shard's tokens came back for the lost slots)."""
     lazy, gone_slots, tokens = lazy_buffer_missing_a_shard(tmp_path, on_corrupt, replace_with_other)
     generator = torch.Generator().manual_seed(0)
     failures = 0
