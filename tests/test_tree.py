@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from scipy import stats
 
 import torchreplay as tr
-from torchreplay._ops import ops
+
+# The custom ops under torch's public op namespace (registered when torchreplay is imported).
+ops = torch.ops.torchreplay
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -249,17 +251,18 @@ def test_seeded_cpu_stream_is_uniform_and_is_counter_uniform():
 def test_seeded_sample_op():
     t = tr.SegmentTree(300)
     t.update(torch.arange(300), torch.rand(300, generator=torch.Generator().manual_seed(0)) + 0.01)
+    leaves, sums, _ = t.raw_tensors()
     for stratified in (True, False):
-        idx, prio = ops.tree_sample_seeded(t._leaves, t._sums, 77, 50, 300, stratified)
-        want = ops.tree_sample(t._leaves, t._sums, splitmix64_uniforms(77, 50), 300, stratified)
+        idx, prio = ops.tree_sample_seeded(leaves, sums, 77, 50, 300, stratified)
+        want = ops.tree_sample(leaves, sums, splitmix64_uniforms(77, 50), 300, stratified)
         assert torch.equal(idx, want[0]) and torch.equal(prio, want[1])
-    torch.library.opcheck(ops.tree_sample_seeded.default, (t._leaves, t._sums, 77, 50, 300, True))
+    torch.library.opcheck(ops.tree_sample_seeded.default, (leaves, sums, 77, 50, 300, True))
     with pytest.raises(ValueError, match="batch_size"):
-        ops.tree_sample_seeded(t._leaves, t._sums, 77, -1, 300, True)
-    empty = tr.SegmentTree(10)
+        ops.tree_sample_seeded(leaves, sums, 77, -1, 300, True)
+    empty_leaves, empty_sums, _ = tr.SegmentTree(10).raw_tensors()
     with pytest.raises(ValueError, match="empty tree"):
-        ops.tree_sample_seeded(empty._leaves, empty._sums, 1, 4, 10, True)
-    assert ops.tree_sample_seeded(empty._leaves, empty._sums, 1, 0, 10, True)[0].numel() == 0
+        ops.tree_sample_seeded(empty_leaves, empty_sums, 1, 4, 10, True)
+    assert ops.tree_sample_seeded(empty_leaves, empty_sums, 1, 0, 10, True)[0].numel() == 0
 
 
 def test_cpu_fast_paths_match_the_checked_paths():
@@ -321,10 +324,10 @@ def test_threaded_batches_match_one_thread_and_a_rebuild(dtype):
     assert torch.equal(one.priorities, two.priorities)
     # Bitwise equal internal nodes (not only the root total()/min()): the claim is that chunking
     # the batch over threads changes no node, which the public getters cannot show below the root.
-    assert torch.equal(one._sums, two._sums) and torch.equal(one._mins, two._mins)
+    assert all(torch.equal(a, b) for a, b in zip(one.raw_tensors(), two.raw_tensors()))
     rebuilt = tr.SegmentTree(one.capacity, dtype=dtype)
     rebuilt.load_state_dict(one.state_dict())
-    assert torch.equal(rebuilt._sums, one._sums) and torch.equal(rebuilt._mins, one._mins)
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.raw_tensors(), one.raw_tensors()))
 
 
 def test_sampling_an_empty_tree_is_an_error():
@@ -356,28 +359,32 @@ def test_constructor_validation():
 
 
 def test_raw_ops_reject_bad_input_without_crashing():
-    """The ops themselves check, so a caller bypassing the Python class gets an error, not a segfault."""
+    """The ops themselves check, so a caller bypassing the Python class gets an error, not a segfault,
+    and the storage it passed is unchanged."""
     t = tr.SegmentTree(10)
+    leaves, sums, mins = t.raw_tensors()
     with pytest.raises(IndexError):
-        ops.tree_update(t._leaves, t._sums, t._mins, torch.tensor([10**12]), torch.tensor([1.0]), 10)
+        ops.tree_update(leaves, sums, mins, torch.tensor([10**12]), torch.tensor([1.0]), 10)
     with pytest.raises(ValueError):
-        ops.tree_update(t._leaves, t._sums, t._mins, torch.tensor([1]), torch.tensor([-1.0]), 10)
+        ops.tree_update(leaves, sums, mins, torch.tensor([1]), torch.tensor([-1.0]), 10)
     with pytest.raises(RuntimeError, match="leaves"):
-        ops.tree_update(t._leaves[:3], t._sums, t._mins, torch.tensor([1]), torch.tensor([1.0]), 10)
+        ops.tree_update(leaves[:3], sums, mins, torch.tensor([1]), torch.tensor([1.0]), 10)
     with pytest.raises(ValueError, match="empty"):
-        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5], dtype=torch.float64), 10, True)
+        ops.tree_sample(leaves, sums, torch.tensor([0.5], dtype=torch.float64), 10, True)
     with pytest.raises(RuntimeError, match="float64"):
-        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5]), 10, True)
+        ops.tree_sample(leaves, sums, torch.tensor([0.5]), 10, True)
     with pytest.raises(IndexError):
-        ops.tree_get(t._leaves, torch.tensor([-5]), 10)
+        ops.tree_get(leaves, torch.tensor([-5]), 10)
+    assert all(torch.equal(a, b) for a, b in zip((leaves, sums, mins), t.raw_tensors()))  # refused unwritten
     t.update(torch.tensor([3]), torch.tensor([1.0]))
+    leaves, sums, mins = t.raw_tensors()
     with pytest.raises(RuntimeError, match="leaves"):  # a capacity that does not match the storage
-        ops.tree_sample(t._leaves, t._sums, torch.tensor([0.5], dtype=torch.float64), 1 << 20, True)
+        ops.tree_sample(leaves, sums, torch.tensor([0.5], dtype=torch.float64), 1 << 20, True)
     with pytest.raises(RuntimeError, match="sums"):
-        ops.tree_sample(t._leaves, t._sums[:1], torch.tensor([0.5], dtype=torch.float64), 10, True)
+        ops.tree_sample(leaves, sums[:1], torch.tensor([0.5], dtype=torch.float64), 10, True)
     with pytest.raises(RuntimeError, match="leaves"):
-        ops.tree_get(t._leaves, torch.tensor([3]), 1 << 20)
-    assert t.total().item() == 1.0
+        ops.tree_get(leaves, torch.tensor([3]), 1 << 20)
+    assert float(ops.tree_total(sums)) == 1.0
 
 
 def _sample_args(dtype):
@@ -392,13 +399,14 @@ def test_opcheck_every_op(dtype):
     u = torch.rand(32, dtype=torch.float64)
     idx = torch.tensor([4, 8, 4, 199])
     pr = torch.rand(4, dtype=dtype)
+    leaves, sums, mins = t.raw_tensors()
     cases = [
-        (ops.tree_update.default, (t._leaves.clone(), t._sums.clone(), t._mins.clone(), idx, pr, 200)),
-        (ops.tree_sample.default, (t._leaves, t._sums, u, 200, True)),
-        (ops.tree_total.default, (t._sums,)),
-        (ops.tree_min.default, (t._mins,)),
-        (ops.tree_get.default, (t._leaves, idx, 200)),
-        (ops.tree_rebuild.default, (t._leaves.clone(), t._sums.clone(), t._mins.clone(), 200)),
+        (ops.tree_update.default, (*t.raw_tensors(), idx, pr, 200)),
+        (ops.tree_sample.default, (leaves, sums, u, 200, True)),
+        (ops.tree_total.default, (sums,)),
+        (ops.tree_min.default, (mins,)),
+        (ops.tree_get.default, (leaves, idx, 200)),
+        (ops.tree_rebuild.default, (*t.raw_tensors(), 200)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -522,7 +530,7 @@ def test_cuda_matches_cpu_on_identical_inputs(dtype):
         cpu.update(idx, pr)
         gpu.update(idx.cuda(), pr.cuda())
         assert torch.equal(cpu.priorities, gpu.priorities.cpu()), "last-occurrence-wins differs"
-        assert torch.equal(cpu._sums, gpu._sums.cpu()), "sums differ bitwise"
+        assert torch.equal(cpu.raw_tensors()[1], gpu.raw_tensors()[1].cpu()), "sums differ bitwise"
         assert cpu.min().item() == gpu.min().item()
         u = torch.rand(65_536, dtype=torch.float64, generator=gen)
         for stratified in (True, False):
@@ -533,7 +541,7 @@ def test_cuda_matches_cpu_on_identical_inputs(dtype):
     state = gpu.state_dict()
     moved = tr.SegmentTree(capacity, dtype=dtype).to("cuda")
     moved.load_state_dict(state)
-    assert torch.equal(moved._sums.cpu(), gpu._sums.cpu())
+    assert torch.equal(moved.raw_tensors()[1].cpu(), gpu.raw_tensors()[1].cpu())
 
 
 @pytest.mark.cuda
@@ -541,7 +549,8 @@ def test_cuda_opcheck_and_no_sync():
     t = _sample_args(torch.float32).to("cuda")
     t.validate = False
     u = torch.rand(32, dtype=torch.float64, device="cuda")
-    torch.library.opcheck(ops.tree_sample.default, (t._leaves, t._sums, u, 200, True))
+    leaves, sums, _ = t.raw_tensors()
+    torch.library.opcheck(ops.tree_sample.default, (leaves, sums, u, 200, True))
     torch.cuda.set_sync_debug_mode("error")
     try:
         idx, _ = t.sample(u=u)

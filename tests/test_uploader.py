@@ -45,15 +45,15 @@ def test_uploads_run_in_a_lower_priority_helper_process(tmp_path):
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
     buf.add(make_batch(4, seed=0))
     buf.checkpoint()
-    proc = ckpt._remote._proc
-    assert proc is not None and proc.pid != os.getpid() and proc.poll() is None
-    assert os.getpriority(os.PRIO_PROCESS, proc.pid) > os.getpriority(os.PRIO_PROCESS, 0)
+    pid = ckpt.helper_pid
+    assert pid is not None and pid != os.getpid() and alive(pid)
+    assert os.getpriority(os.PRIO_PROCESS, pid) > os.getpriority(os.PRIO_PROCESS, 0)
     # The helper never imported torch: it starts fast and stays small.
-    with open(f"/proc/{proc.pid}/maps") as f:
+    with open(f"/proc/{pid}/maps") as f:
         assert "libtorch" not in f.read()
     assert open_store(uri).exists("LATEST")
     buf.close()
-    assert proc.poll() is not None, "close() must end the helper"
+    assert not alive(pid) and ckpt.helper_pid is None, "close() must end the helper"
 
 
 def test_a_dead_helper_is_counted_and_replaced(tmp_path):
@@ -64,11 +64,13 @@ def test_a_dead_helper_is_counted_and_replaced(tmp_path):
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
     buf.add(make_batch(4, seed=0))
     buf.checkpoint()
-    ckpt._remote._proc.kill()
-    ckpt._remote._proc.wait()
+    killed = ckpt.helper_pid
+    os.kill(killed, signal.SIGKILL)
+    assert wait_for(lambda: not alive(killed))
     buf.add(make_batch(4, seed=1))
     buf.checkpoint()
     assert buf.metrics()["checkpoint_failures"] == 1
+    assert ckpt.helper_pid not in (None, killed)  # a new helper took over
     buf.close()
     resumed = tr.RolloutBuffer.from_checkpoint(uri, progress=False)
     assert len(resumed) == 8 and torch.equal(resumed.slots.generation, buf.slots.generation)
@@ -85,7 +87,7 @@ def test_helper_dies_with_a_sigkilled_trainer(tmp_path):
         ckpt = Checkpointer("file://{tmp_path}/ckpt", interval_s=3600)
         buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
         buf.checkpoint()
-        print(ckpt._remote._proc.pid, flush=True)
+        print(ckpt.helper_pid, flush=True)
         time.sleep(600)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
@@ -99,23 +101,23 @@ def test_helper_dies_with_a_sigkilled_trainer(tmp_path):
 
 def test_wire_format_round_trips_and_rejects_garbage():
     stream = io.BytesIO()
-    uploader._write_frame(stream, {"op": "put", "key": "LATEST"}, b"\x00payload")
+    uploader.write_frame(stream, {"op": "put", "key": "LATEST"}, b"\x00payload")
     stream.seek(0)
-    header, payload = uploader._read_frame(stream)
+    header, payload = uploader.read_frame(stream)
     assert header == {"op": "put", "key": "LATEST", "payload_bytes": 8} and payload == b"\x00payload"
-    assert uploader._read_frame(stream) is None  # clean end of input
-    oversized = io.BytesIO(uploader._LENGTH.pack(1 << 40))
+    assert uploader.read_frame(stream) is None  # clean end of input
+    oversized = io.BytesIO(uploader.FRAME_LENGTH.pack(1 << 40))
     with pytest.raises(ValueError, match="exceeds"):
-        uploader._read_frame(oversized)
-    truncated = io.BytesIO(uploader._LENGTH.pack(100) + b"{}")
+        uploader.read_frame(oversized)
+    truncated = io.BytesIO(uploader.FRAME_LENGTH.pack(100) + b"{}")
     with pytest.raises(EOFError):
-        uploader._read_frame(truncated)
+        uploader.read_frame(truncated)
     bad_size = io.BytesIO()
     head = b'{"payload_bytes": -1}'
-    bad_size.write(uploader._LENGTH.pack(len(head)) + head)
+    bad_size.write(uploader.FRAME_LENGTH.pack(len(head)) + head)
     bad_size.seek(0)
     with pytest.raises(ValueError, match="payload_bytes"):
-        uploader._read_frame(bad_size)
+        uploader.read_frame(bad_size)
 
 
 def test_helper_reports_errors_and_keeps_serving(tmp_path):
@@ -148,8 +150,8 @@ def test_helper_cpus_places_the_helper_and_the_worker_thread_and_is_validated(tm
     ckpt = Checkpointer(f"file://{tmp_path}/ckpt", interval_s=3600, helper_cpus=[cpu])
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), checkpoint=ckpt, seed=0)
     buf.checkpoint()
-    assert os.sched_getaffinity(ckpt._remote._proc.pid) == {cpu}
-    assert os.sched_getaffinity(ckpt._worker.native_id) == {cpu}
+    assert os.sched_getaffinity(ckpt.helper_pid) == {cpu}
+    assert os.sched_getaffinity(ckpt.worker_native_id) == {cpu}
     assert os.sched_getaffinity(0) == trainer_cpus, "the trainer's own placement is left alone"
     buf.close()
     for bad in ([], [-1], ["0"], [True], [10_000]):

@@ -85,6 +85,12 @@ class SegmentTree:
         """A read-only view of all `capacity` leaf priorities."""
         return self._leaves[: self.capacity]
 
+    def raw_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the tree's storage in the form the `torch.ops.torchreplay.tree_*` ops take:
+        (padded leaves, float64 internal sums, float64 internal live minima). For calling those ops
+        directly and comparing two trees node for node; changing a copy leaves the tree as it is."""
+        return self._leaves.clone(), self._sums.clone(), self._mins.clone()
+
     def __len__(self) -> int:
         return self.capacity
 

@@ -239,6 +239,17 @@ class Checkpointer:
                 "checkpoint_last_success_s": math.nan if last is None else last,
                 "checkpoint_lag_s": time.monotonic() - self._durable_taken_at, **self._backlog.metrics()}
 
+    # Read-only views of where the background work runs (placement and lifetime checks).
+    @property
+    def helper_pid(self) -> int | None:
+        """The upload helper process's pid while it runs (None before it started and after close)."""
+        return self._remote.helper_pid
+
+    @property
+    def worker_native_id(self) -> int | None:
+        """The worker thread's native (kernel) thread id, e.g. for `os.sched_getaffinity`."""
+        return self._worker.native_id
+
     def shard_sealed(self, shard_id: int) -> None:
         if self._closed:
             return  # nothing uploads any more: pinning the shard would keep it forever

@@ -31,7 +31,8 @@ from typing import Any
 from torchreplay.checkpoint.store import MissingObject, PermanentError, RefusedObject
 from torchreplay.errors import CheckpointError
 
-_LENGTH = struct.Struct("<Q")
+# The wire format (module docstring) is public: `write_frame` / `read_frame` and the length prefix.
+FRAME_LENGTH = struct.Struct("<Q")
 _ERROR_KINDS = {cls.__name__: cls for cls in (MissingObject, PermanentError, RefusedObject)}
 _MAX_HEADER = 1 << 20
 # The helper imports only this package's store code: bringing up torch would cost it seconds
@@ -49,9 +50,10 @@ serve(*sys.argv[2:])
 """
 
 
-def _write_frame(stream, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+def write_frame(stream, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    """One frame: the length of the JSON header, the header (with `payload_bytes` added), the payload."""
     head = json.dumps(dict(header, payload_bytes=len(payload)), separators=(",", ":")).encode()
-    stream.write(_LENGTH.pack(len(head)) + head)
+    stream.write(FRAME_LENGTH.pack(len(head)) + head)
     if len(payload):
         stream.write(payload)
     stream.flush()
@@ -64,13 +66,16 @@ def _read_exact(stream, n: int) -> bytes:
     return data
 
 
-def _read_frame(stream) -> tuple[dict[str, Any], bytes] | None:
-    first = stream.read(_LENGTH.size)
+def read_frame(stream) -> tuple[dict[str, Any], bytes] | None:
+    """The next frame's (header, payload), or None at a clean end of input. A header over 1 MiB, or
+    one that is not an object with a size in `payload_bytes`, is a ValueError; input that ends
+    inside a frame is an EOFError."""
+    first = stream.read(FRAME_LENGTH.size)
     if not first:
         return None
-    if len(first) != _LENGTH.size:
+    if len(first) != FRAME_LENGTH.size:
         raise EOFError("stream ended inside a frame length")
-    (n,) = _LENGTH.unpack(first)
+    (n,) = FRAME_LENGTH.unpack(first)
     if n > _MAX_HEADER:
         raise ValueError(f"frame header of {n} bytes exceeds {_MAX_HEADER}")
     header = json.loads(_read_exact(stream, n))
@@ -97,6 +102,13 @@ class RemoteStore:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
+    @property
+    def helper_pid(self) -> int | None:
+        """The helper process's pid while one is started (None before the first call, after a
+        helper died, and after `close`): for watching its placement and lifetime from outside."""
+        proc = self._proc
+        return None if proc is None else proc.pid
+
     def start(self) -> None:
         """Start the helper. Call it from the thread that will outlive every call (the helper is
         bound to its starter thread's life)."""
@@ -111,8 +123,8 @@ class RemoteStore:
                 self.start()
             proc = self._proc
             try:
-                _write_frame(proc.stdin, header, payload)
-                reply = _read_frame(proc.stdout)
+                write_frame(proc.stdin, header, payload)
+                reply = read_frame(proc.stdout)
             except (OSError, EOFError, ValueError) as exc:
                 reply = None
                 reason = str(exc)
@@ -216,7 +228,7 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
     store = None
     while True:
         try:
-            frame = _read_frame(stdin)
+            frame = read_frame(stdin)
         except (EOFError, ValueError, OSError):
             return
         if frame is None:
@@ -256,6 +268,6 @@ def serve(parent_pid: str, uri: str, endpoint_url: str, retry_budget_s: str, nic
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the trainer
             reply, data = {"ok": False, "error": str(exc), "kind": type(exc).__name__}, b""
         try:
-            _write_frame(stdout, reply, data)
+            write_frame(stdout, reply, data)
         except OSError:
             return
