@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import torchreplay as tr
+from torchreplay.padded import split_padded
 
 
 def padded_batch(n, tp, tc, seed, prompt_side="left", holes=False):
@@ -123,6 +124,12 @@ def test_explicit_reward_is_kept_and_must_be_finite():
     (lambda b: b.update(logprobs=b["logprobs"][:, :-1]), ValueError, "logprobs: width"),
     (lambda b: b.update(completion_mask=b["completion_mask"][:2]), ValueError, "completion_mask: shape"),
     (lambda b: b.update(logprobs=[1.0]), TypeError, "logprobs"),
+    (lambda b: b.update(completion_extent=torch.tensor([[1, 0, 1, 0]] * 4)), ValueError,
+     "completion_extent, row 0: .*one run"),
+    (lambda b: b.update(completion_extent=torch.zeros(4, 4, dtype=torch.long), completion_mask=torch.ones(4, 4, dtype=torch.long)),
+     ValueError, "completion_mask, row 0: .*outside completion_extent"),
+    (lambda b: b.update(completion_extent=torch.ones(4, 4)), TypeError, "completion_extent.*int or bool"),
+    (lambda b: b.update(completion_extent=torch.ones(4, 3, dtype=torch.long)), ValueError, "completion_extent: shape"),
 ])
 def test_bad_layouts_are_refused_before_any_change(change, error, match):
     b = padded_batch(4, 5, 4, 2)
@@ -133,3 +140,84 @@ def test_bad_layouts_are_refused_before_any_change(change, error, match):
         buf.add_padded(b.pop("prompt_ids"), b.pop("prompt_mask"), b.pop("completion_ids"),
                        b.pop("completion_mask"), b.pop("logprobs"), **b)
     assert len(buf) == 0 and buf.version == 0
+
+
+def extent_batch(seed):
+    """A padded batch whose completions end in tokens the training mask leaves out (a tool's output,
+    a forced end marker): the extent mask says what the completion is, the training mask what trains."""
+    b = padded_batch(8, 5, 6, seed, holes=True)
+    clen = torch.randint(0, 7, (8,), generator=torch.Generator().manual_seed(seed + 100))
+    clen[0], clen[1] = 6, 2
+    extent = (torch.arange(6).unsqueeze(0) < clen.unsqueeze(1)).long()
+    b["completion_ids"] = torch.randint(3, 1000, (8, 6), generator=torch.Generator().manual_seed(seed)) * extent
+    b["completion_mask"] = b["completion_mask"] * extent
+    b["completion_mask"][:, -2:] = 0  # the last two positions never train
+    b["completion_mask"][1] = 0  # a row with nothing to train on still keeps its tokens
+    b["logprobs"] = b["logprobs"] * extent
+    b["prompt_mask"][:, -1] = 1  # every rollout has a token even when its completion is empty
+    return b, extent
+
+
+@pytest.mark.parametrize("buffer_side", ["left", "right"])
+def test_completion_extent_keeps_untrained_tail_tokens(buffer_side):
+    """With `completion_extent`, a completion is its extent, not its training mask up to the last 1:
+    untrained tail tokens are stored, and `split` gives back ids, extent and training mask exactly."""
+    for seed in range(3):
+        b, extent = extent_batch(seed)
+        buf = tr.RolloutBuffer(16, padding_side=buffer_side, seed=seed)
+        handles = buf.add_padded(b.pop("prompt_ids"), b.pop("prompt_mask"), b["completion_ids"], b["completion_mask"],
+                                 b["logprobs"], completion_extent=extent,
+                                 **{k: v for k, v in b.items() if k.startswith(("adv", "group", "policy"))})
+        batch = buf.gather(handles.slot, count_use=False)
+        assert torch.equal(batch.attention_mask.sum(1), batch.prompt_len + extent.sum(1))
+        out = batch.split()
+        width = int(extent.sum(1).max())
+        assert torch.equal(out["completion_extent"], extent[:, :width])
+        assert torch.equal(out["completion_mask"], b["completion_mask"][:, :width])
+        assert torch.equal(out["completion_ids"], b["completion_ids"][:, :width])
+        assert torch.equal(out["logprobs"], b["logprobs"][:, :width])
+
+
+def test_without_an_extent_the_training_mask_bounds_the_completion():
+    """The default extent: every completion position up to the training mask's last 1."""
+    b = padded_batch(6, 4, 5, 0, holes=True)
+    buf = tr.RolloutBuffer(8, seed=0)
+    handles = buf.add_padded(b.pop("prompt_ids"), b.pop("prompt_mask"), b.pop("completion_ids"),
+                             b.pop("completion_mask"), b.pop("logprobs"), **b)
+    out = buf.gather(handles.slot, count_use=False).split()
+    assert torch.equal(out["completion_extent"].sum(1), out["completion_mask"].fliplr().cummax(1).values.sum(1))
+
+
+def test_split_to_given_widths_with_full_width_fields():
+    """`widths` pads to the caller's (Tp, Tc) rather than the batch's widest row; a `full_width`
+    field comes back over prompt + completion, its prompt part laid out like `prompt_ids`."""
+    b, extent = extent_batch(4)
+    tp, tc = b["prompt_ids"].shape[1], extent.shape[1]
+    full = torch.cat([-torch.rand(8, tp) * b["prompt_mask"], b["logprobs"]], dim=1)
+    buf = tr.RolloutBuffer(16, seed=0, pad_token_id=7)
+    handles = buf.add_padded(b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                             b["completion_mask"], full, completion_extent=extent, advantage=b["advantage"],
+                             group_id=b["group_id"], policy_version=0)
+    batch = buf.gather(handles.slot, count_use=False)
+    for side in ("left", "right"):
+        out = split_padded(batch.data, batch.token_fields, 7, side, widths=(tp + 2, tc + 3), full_width=("logprobs",))
+        prompt_mask = torch.nn.functional.pad(b["prompt_mask"], (2, 0))
+        if side == "right":  # each prompt's run moved to the start of its row
+            prompt_mask = (torch.arange(tp + 2) < b["prompt_mask"].sum(1, keepdim=True)).long()
+        completion_extent = torch.nn.functional.pad(extent, (0, 3))
+        assert torch.equal(out["prompt_mask"], prompt_mask)
+        assert torch.equal(out["completion_extent"], completion_extent)
+        assert torch.equal(out["completion_mask"], torch.nn.functional.pad(b["completion_mask"], (0, 3)))
+        assert torch.equal(out["prompt_ids"][prompt_mask.bool()], b["prompt_ids"][b["prompt_mask"].bool()])
+        assert bool((out["prompt_ids"][~prompt_mask.bool()] == 7).all())
+        assert bool((out["completion_ids"][~completion_extent.bool()] == 7).all())
+        assert out["logprobs"].shape == (8, tp + 2 + tc + 3)
+        assert torch.equal(out["logprobs"][:, : tp + 2][prompt_mask.bool()], full[:, :tp][b["prompt_mask"].bool()])
+        assert torch.equal(out["logprobs"][:, tp + 2:], torch.nn.functional.pad(b["logprobs"], (0, 3)))
+        assert not out["logprobs"][:, : tp + 2][~prompt_mask.bool()].any()
+    with pytest.raises(ValueError, match="widths: row 0 has 6 completion tokens, more than 5"):
+        split_padded(batch.data, batch.token_fields, 7, widths=(tp, tc - 1))
+    with pytest.raises(ValueError, match="widths: row .* prompt tokens, more than 4"):
+        split_padded(batch.data, batch.token_fields, 7, widths=(tp - 1, tc))
+    with pytest.raises(ValueError, match="full_width: 'advantage' is not a token field"):
+        split_padded(batch.data, batch.token_fields, 7, full_width=("advantage",))

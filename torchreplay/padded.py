@@ -12,6 +12,8 @@ Rules, so that the round trip is exact:
   prompt is the tokens under it;
 - a completion keeps every position up to its mask's last 1; 0s inside that span (e.g. tool
   output a trainer does not train on) stay in the stored `response_mask`, trailing 0s are padding;
+  unless `completion_extent` says which positions are the completion's tokens (verl's layout: its
+  attention mask is the extent, its response_mask the training mask, which may end earlier);
 - a per-token field may be completion-aligned ([B, Tc, ...], 0 is stored over the prompt, as
   `add` requires for `logprobs`) or span prompt + completion ([B, Tp + Tc, ...]).
 """
@@ -66,18 +68,35 @@ def _gather_rows(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, w
     return x[rows[keep], index[keep]]
 
 
+def _extent_lengths(extent: Any, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's completion length from its extent mask, a run of 1s from column 0 that covers
+    every 1 of the training mask."""
+    extent = _mask("completion_extent", extent, completion_mask.shape)
+    lengths = extent.sum(1)
+    prefix = torch.arange(extent.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    if not bool((extent == prefix).all()):
+        i = _first_bad((extent != prefix).any(1))
+        raise ValueError(f"completion_extent, row {i}: must be one run of 1s from the first column")
+    outside = (completion_mask & ~extent).any(1)
+    if bool(outside.any()):
+        raise ValueError(f"completion_mask, row {_first_bad(outside)}: 1 outside completion_extent")
+    return lengths
+
+
 def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                 completion_mask: torch.Tensor, logprobs: torch.Tensor, *, advantage: Any, group_id: Any,
                 policy_version: Any, reward: Any = None, prompt_side: str = "left",
-                **fields: Any) -> dict[str, Any]:
+                completion_extent: torch.Tensor | None = None, **fields: Any) -> dict[str, Any]:
     """A ragged rollout batch for `RolloutBuffer.add`/`compose` from a padded one.
 
     `prompt_ids`/`prompt_mask` [B, Tp] (padded on `prompt_side`), `completion_ids`/
     `completion_mask` [B, Tc] (right-padded), masks int or bool; `logprobs`: the behaviour
     log-probs, [B, Tc] or [B, Tp + Tc]. `advantage`, `group_id`, `reward` (optional) are [B];
-    `policy_version` an int or [B]. Other `fields` are declared extra fields: [B, ...] rollout
-    fields pass through, and a [B, Tc, ...] or [B, Tp + Tc, ...] tensor is taken as a token field.
-    Raises ValueError/TypeError naming the argument."""
+    `policy_version` an int or [B]. `completion_extent` [B, Tc] (int or bool, one run of 1s from
+    column 0): the completion's tokens, when they run past the training mask's last 1;
+    `completion_mask` must be 0 outside it. Other `fields` are declared extra fields: [B, ...]
+    rollout fields pass through, and a [B, Tc, ...] or [B, Tp + Tc, ...] tensor is taken as a token
+    field. Raises ValueError/TypeError naming the argument."""
     if prompt_side not in SIDES:
         raise ValueError(f"prompt_side must be 'left' or 'right', got {prompt_side!r}")
     prompt_ids, completion_ids = _ids("prompt_ids", prompt_ids), _ids("completion_ids", completion_ids)
@@ -99,12 +118,15 @@ def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
         i = _first_bad(~contiguous)
         raise ValueError(f"prompt_mask, row {i}: must be one run of 1s padded on the {prompt_side}")
     prompt_start = first if prompt_side == "left" else torch.zeros_like(first)
-    # A completion runs to its mask's last 1; later positions are padding.
-    last = torch.where(completion_mask.any(1), tc - 1 - completion_mask.flip(1).int().argmax(1), -1)
-    completion_len = last + 1
+    if completion_extent is None:  # a completion runs to its mask's last 1; later positions are padding
+        last = torch.where(completion_mask.any(1), tc - 1 - completion_mask.flip(1).int().argmax(1), -1)
+        completion_len = last + 1
+    else:
+        completion_len = _extent_lengths(completion_extent, completion_mask)
     lengths = prompt_len + completion_len
     if bool((lengths == 0).any()):
-        raise ValueError(f"prompt_mask/completion_mask, row {_first_bad(lengths == 0)}: the rollout has no token")
+        raise ValueError(f"prompt_mask/{'completion_mask' if completion_extent is None else 'completion_extent'}, "
+                         f"row {_first_bad(lengths == 0)}: the rollout has no token")
 
     def ragged(prompt_part: torch.Tensor | None, completion_part: torch.Tensor) -> dict[str, torch.Tensor]:
         """Row i: its prompt positions (or zeros), then its completion positions, packed."""
@@ -154,11 +176,27 @@ def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
     return batch
 
 
+def _widths(widths: Any) -> tuple[int, int]:
+    if not (isinstance(widths, tuple) and len(widths) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in widths)):
+        raise ValueError(f"widths: expected (prompt width, completion width) as two ints >= 0, got {widths!r}")
+    return widths
+
+
 def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...], pad_token_id: int,
-                 prompt_side: str = "left") -> dict[str, torch.Tensor]:
-    """The padded trainer layout of a sampled batch (see `ReplayBatch.split`)."""
+                 prompt_side: str = "left", *, widths: tuple[int, int] | None = None,
+                 full_width: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The padded trainer layout of a sampled batch (see `ReplayBatch.split`), plus
+    `completion_extent` [B, Tc] (int64): 1 on each completion's tokens, of which `completion_mask`
+    marks the trained ones. `widths`: the (Tp, Tc) to pad to instead of the batch's widest prompt
+    and completion (ValueError naming the first row that does not fit). `full_width`: token fields
+    given back over prompt + completion, [B, Tp + Tc, ...], their prompt part laid out like
+    `prompt_ids`, instead of completion-aligned."""
     if prompt_side not in SIDES:
         raise ValueError(f"prompt_side must be 'left' or 'right', got {prompt_side!r}")
+    for name in full_width:
+        if name not in token_fields or name not in data:
+            raise ValueError(f"full_width: {name!r} is not a token field of the batch")
     valid = data["attention_mask"]
     n, width = valid.shape
     lengths = valid.sum(1)
@@ -168,6 +206,12 @@ def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...]
     completion_len = lengths - prompt_len
     tp = int(prompt_len.max()) if n else 0
     tc = int(completion_len.max()) if n else 0
+    if widths is not None:
+        tp, tc = _widths(widths)
+        for part, count, room in (("prompt", prompt_len, tp), ("completion", completion_len, tc)):
+            if bool((count > room).any()):
+                i = _first_bad(count > room)
+                raise ValueError(f"widths: row {i} has {int(count[i])} {part} tokens, more than {room}")
     cols_p, cols_c = torch.arange(tp, device=valid.device), torch.arange(tc, device=valid.device)
     if prompt_side == "left":
         prompt_keep = cols_p.unsqueeze(0) >= (tp - prompt_len).unsqueeze(1)
@@ -189,9 +233,13 @@ def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...]
         "prompt_mask": prompt_keep.long(),
         "completion_ids": take(data["tokens"], completion_src, completion_keep, pad_token_id),
         "completion_mask": take(data["response_mask"], completion_src, completion_keep, False).long(),
+        "completion_extent": completion_keep.long(),
     }
     for name in token_fields:
-        if name not in ("tokens", "response_mask"):
+        if name in full_width:
+            out[name] = torch.cat([take(data[name], prompt_src, prompt_keep, 0),
+                                   take(data[name], completion_src, completion_keep, 0)], 1)
+        elif name not in ("tokens", "response_mask"):
             out[name] = take(data[name], completion_src, completion_keep, 0)
     for name, value in data.items():
         if name not in out and name not in token_fields and name != "attention_mask":
