@@ -334,3 +334,15 @@ def test_a_vanished_lazy_shard_is_evicted_once_and_later_samples_work(tmp_path, 
     assert metrics["evicted_corrupt"] == 16 and len(lazy) == 112
     assert metrics["storage_fetched_shards"] == 7
     lazy.close()
+
+
+@pytest.mark.parametrize("offset", [2**63 - 1, BIG, -(2**62) - 1])
+def test_import_version_offset_that_would_wrap_is_refused(tmp_path, offset):
+    """`version_offset=2**63 - 1` used to wrap the imported versions to negative, clamped to 0: the
+    rollouts came in at version 0 instead of being refused (10**30 raised OverflowError)."""
+    _, uri = write_checkpoint(tmp_path)
+    buf = tr.RolloutBuffer(16)
+    with pytest.raises(ValueError, match="version_offset"):
+        buf.import_checkpoint(uri, version_offset=offset)
+    assert len(buf) == 0
+    assert len(buf.import_checkpoint(uri, version_offset=-(2**62)).slot) == 6  # clamped at 0, as documented

@@ -242,6 +242,9 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
 
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
+    if not -(2**62) <= version_offset <= 2**62:
+        # Versions lie in [0, 2**62): a larger shift would wrap in int64 (to a version that looks valid).
+        raise ValueError(f"version_offset must lie in [-2**62, 2**62], got {version_offset}")
     store = RetriedReads(open_store(uri, endpoint_url))
     manifest = read_manifest(store, tag=tag)
     state = load_state(store, manifest)
