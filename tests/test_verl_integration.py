@@ -256,7 +256,7 @@ def test_side_table_forgets_evicted_rollouts():
         assert len(adapter) <= capacity + per_add  # the last add's evictions go at the next sweep
     adapter.prune()
     assert len(adapter) == len(buf) == capacity
-    assert len(adapter._uids) == 2  # uid strings go with their last rollout (one uid per add here)
+    assert adapter.uid_count == 2  # uid strings go with their last rollout (one uid per add here)
     live = buf.slots.live.nonzero().flatten()
     out = adapter.to_dataproto(buf.gather(live, count_use=False), template=datas[-1])
     assert set(out.non_tensor_batch["uid"]) == {datas[-1].non_tensor_batch["uid"][0],
@@ -265,7 +265,7 @@ def test_side_table_forgets_evicted_rollouts():
     buf.advance(100)
     buf.max_staleness = 0  # evicts every rollout
     assert adapter.prune() == capacity
-    assert len(buf) == 0 and len(adapter) == 0 and not adapter._uids
+    assert len(buf) == 0 and len(adapter) == 0 and adapter.uid_count == 0
     with pytest.raises(ValueError, match="'uid': row 0"):
         adapter.to_dataproto(stale, template=datas[-1])
 

@@ -261,6 +261,12 @@ class DataProtoAdapter:
         """Rollouts whose columns the adapter holds."""
         return len(self._rows)
 
+    @property
+    def uid_count(self) -> int:
+        """Distinct uid strings the adapter holds: each is kept while a rollout of its group is live
+        (as of the last `prune`), so this stays bounded by the buffer's capacity."""
+        return len(self._uids)
+
     def from_dataproto(self, data: Any, *, version: int | torch.Tensor) -> dict[str, Any]:
         """A batch for `RolloutBuffer.add`/`compose` from a verl DataProto with its advantages
         computed; `version`: its policy version (an int or [B]). Raises ValueError/TypeError naming
