@@ -500,7 +500,7 @@ def test_kvikio_read_spans_waits_for_every_issued_read_and_maps_failures(tmp_pat
     one needs a CUDA driver; tests marked cuda run it). A pread that raises must not leave earlier
     reads of the same file unwaited, and a missing file must read as vanished (ENOENT)."""
     import errno
-    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from torchreplay.storage.io import KvikioIO
 
@@ -529,11 +529,10 @@ def test_kvikio_read_spans_waits_for_every_issued_read_and_maps_failures(tmp_pat
             closed.append(self.path)
 
     class FakeKvikio:
-        pass
+        defaults = SimpleNamespace(get=lambda name: 8)  # kvikio's pool already wider than 2: left alone
 
     FakeKvikio.CuFile = CuFile
-    io = KvikioIO.__new__(KvikioIO)
-    io._kvikio, io.threads, io.pool = FakeKvikio, 2, ThreadPoolExecutor(2)
+    io = KvikioIO(threads=2, kvikio=FakeKvikio)
     present = tmp_path / "shard"
     present.write_bytes(bytes(5 * 4096))
     staging = torch.empty(5 * 4096, dtype=torch.uint8)
@@ -544,7 +543,7 @@ def test_kvikio_read_spans_waits_for_every_issued_read_and_maps_failures(tmp_pat
     assert isinstance(got[1], OSError) and got[1].errno == errno.EIO
     assert isinstance(got[3], OSError) and got[3].errno == errno.ENOENT
     assert closed == [str(present)]
-    io.pool.shutdown()
+    io.close()
 
 
 @pytest.mark.parametrize("policy, dropped", [("lru", 1), ("newest", 0)])
