@@ -90,12 +90,12 @@ def test_compatible_builds_pass(built, running, built_abi, running_abi):
 
 def test_installed_extension_reports_this_torch():
     assert _ops.BUILT["torch"] == torch.__version__
-    assert _ops.BUILT["cxx11_abi"] == str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    assert _ops.BUILT["cxx11_abi"] == str(int(torch.compiled_with_cxx11_abi()))
     assert _ops.BUILT["cuda"] == (torch.version.cuda or "none")
 
 
 def test_build_info_readable_from_the_binary_without_loading_it():
-    binary = _ops._extension_file()
+    binary = _ops.extension_file()
     if binary is None:
         pytest.skip("the extension is not installed beside torchreplay/_ops.py")
     assert _ops.build_info_from_binary(binary) == _ops.BUILT
@@ -103,7 +103,7 @@ def test_build_info_readable_from_the_binary_without_loading_it():
 
 def test_load_failure_message_names_both_torches(tmp_path):
     binary = tmp_path / "_C.so"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = int(torch.compiled_with_cxx11_abi())
     binary.write_bytes(f"\x7fELF\0torchreplay-build-info:torch=2.12.0+cu126;cxx11_abi={abi};cuda=12.6;\0".encode())
     error = ImportError(f"{binary}: undefined symbol: _ZN3c1010TensorImpl4sizeEv")
     message = _ops.load_failure_message(error, binary, "2.13.0+cpu")
@@ -120,7 +120,7 @@ def test_load_failure_message_names_both_torches(tmp_path):
 
 def test_undefined_symbol_at_import_gives_rebuild_instructions():
     """The real import path: a loader that fails the way a binary built against another torch does."""
-    if _ops._extension_file() is None:
+    if _ops.extension_file() is None:
         pytest.skip("the extension is not installed beside torchreplay/_ops.py")
     out = import_after(
         """

@@ -72,7 +72,7 @@ def _running_abi() -> bool | None:
     return getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
 
 
-def _extension_file() -> Path | None:
+def extension_file() -> Path | None:
     """The extension's binary beside this file, without importing it (it may not load)."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -127,7 +127,7 @@ def load_failure_message(error: BaseException, binary: Path | None, running: str
 try:
     from torchreplay import _C  # (importing registers the ops)
 except (ImportError, OSError) as exc:
-    raise ImportError(load_failure_message(exc, _extension_file(), torch.__version__)) from exc
+    raise ImportError(load_failure_message(exc, extension_file(), torch.__version__)) from exc
 
 # What the loaded binary was compiled against; a binary from before it recorded this is stale too.
 BUILT = parse_build_info(getattr(_C, "BUILD_INFO", ""))
