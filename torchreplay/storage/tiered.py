@@ -240,9 +240,9 @@ class TieredStorage:
         policy: "lru" or "newest" (or a HotPolicy), what stays hot.
         device_policy: the same choice for the device tier.
         compact_below: a shard whose live fraction falls below this is rewritten by the buffer.
-        direct: open shard files with O_DIRECT (POSIX back end).
         compact_min_rows: only shards of at least this many rows are compacted: rewriting a small
             shard's few survivors costs a file per call and frees little.
+        direct: open shard files with O_DIRECT (POSIX back end).
         io_threads: threads doing pread/pwrite.
         pin_memory: pin hot copies (default: when CUDA is available).
     """
@@ -260,8 +260,8 @@ class TieredStorage:
         direct: bool = False,
         io_threads: int = 4,
         pin_memory: bool | None = None,
-    ) -> None:
         compact_min_rows: int = 16,
+    ) -> None:
         if hot_bytes is not None and (isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0):
             raise ValueError(f"hot_bytes must be None or an int >= 0, got {hot_bytes!r}")
         if hot_bytes is not None and spill_dir is None:
@@ -270,11 +270,11 @@ class TieredStorage:
             raise ValueError(f"device_bytes must be an int >= 0, got {device_bytes!r}")
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
-        policy = _make_policy(policy, "policy")
         if isinstance(compact_min_rows, bool) or not isinstance(compact_min_rows, int):
             raise TypeError(f"compact_min_rows must be an int, got {type(compact_min_rows).__name__}")
         if compact_min_rows < 1:
             raise ValueError(f"compact_min_rows must be >= 1, got {compact_min_rows}")
+        policy = _make_policy(policy, "policy")
         device_policy = _make_policy(device_policy, "device_policy")
         if device_policy is policy:
             raise ValueError("device_policy must be its own HotPolicy object, not the host tier's")
@@ -287,8 +287,8 @@ class TieredStorage:
         self.device_policy = device_policy
         self._device_used = 0
         self.compact_below = compact_below
-        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.compact_min_rows = compact_min_rows
+        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         self.io: IOBackend | None = None
         if self.spill_dir is not None:
