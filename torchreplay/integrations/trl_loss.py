@@ -12,6 +12,8 @@ where `Agg` is the loss type's own aggregation (linear in the per-token loss, no
 The sum is then TRL's loss with each row's whole contribution (policy, KL, entropy) times w. The
 formulas below mirror TRL 1.16's `GRPOTrainer._compute_loss`; tests/test_trl_integration.py checks
 them against TRL's own loss at w = 1 and against a loss written out by hand for every loss type.
+TRL's private attribute read here: `_last_world_entropy`, the adaptive entropy gate's input, which
+TRL exposes no other way.
 """
 
 from __future__ import annotations
