@@ -72,10 +72,7 @@ def test_snapshot_and_from_snapshot_round_trip_exactly():
     snap = buf.snapshot()
     assert isinstance(snap, BufferSnapshot) and sum(s.live_rows for s in snap.shards) == len(buf) == 15
     assert all(isinstance(s, ShardInfo) for s in snap.shards)
-    state = buf.state_dict()
-    sources = {int(cid): PackedShardSource(tr.schema.PackedBatch(n=c["offsets"].numel() - 1, offsets=c["offsets"],
-                                                                 token=c["token"], rollout=c["rollout"]))
-               for cid, c in state["chunks"].items()}
+    sources = {s.id: PackedShardSource(buf.storage.read_shard(s.id)) for s in snap.shards}
     again = tr.RolloutBuffer.from_snapshot(snap, sources)
     assert again.config() == buf.config() and again.pad_token_id == 9
     for name in ("live", "generation", "reuse", "advantage", "policy_version"):
