@@ -11,7 +11,7 @@ One RL step of a GRPO-style trainer, on the CPU, for each contender:
   as padded [B, T] tensors (tokens, logprobs, response_mask, attention_mask) with IS weights,
   then write B new priorities (and, for torchreplay, ``advance`` the policy version).
 
-Contenders (each in its own child process, so that their memory does not overlap):
+Contenders (each in its own child process; they take turns, see below):
 
 * **torchreplay**: ``RolloutBuffer(capacity, PrioritizedSampler(alpha, beta, eps))``, hot-only
   storage; ``add`` gets the fast ragged form ``{"values": flat, "offsets": [n+1]}``;
@@ -26,13 +26,19 @@ Contenders (each in its own child process, so that their memory does not overlap
   (the same [B, T] tensors torchreplay returns) + ``update_priority(index, |A|)``.
 
 Both use the same capacity, the same data, priorities (|A| + eps) ** alpha, FIFO overwrite when
-full. The buffers are first filled to capacity (add only), then ``--steps`` full steps are timed.
-Reported: median seconds per step for each part, the torchreplay / torchrl ratio, and
-torchreplay's share of a ``--step-seconds`` (30 s) RL step (target: at most 1%).
+full. The buffers are first filled to capacity (add only, one contender at a time). Then come
+``--steps`` rounds: in each, every contender times one full step, in alternating order (AB, BA,
+...), as bench_tree.py's contenders take turns. Run one after the other, the contenders met
+different machines (on a shared machine the speed drifts by 2x within minutes: three sequential
+runs gave TorchRL ratios of 2.1x, 2.8x and 6.5x); within a round they meet the same one. Reported:
+median seconds per step for each part; the torchreplay / torchrl ratio as the median of the
+per-round ratios, with their IQR and range; each contender's share of a ``--step-seconds`` (30 s)
+RL step (target for torchreplay: at most 1%), median over rounds with IQR and range.
 
 Capacity: 1M slots would need 1M x ~66 KB = ~66 GB; the default is the largest power of two
-whose rollout bytes fit in 40% of the RAM left after the sampled batch and step data (stated in
-the output), capped at 1M. Override with --capacity.
+whose rollout bytes fit in each contender's share of 40% of the RAM left after the sampled
+batches and step data (the contenders' buffers are alive together; stated in the output), capped
+at 1M. Override with --capacity.
 
     python benchmarks/bench_buffer.py            # 8192 rollouts/step, B=8192 (~5-8 min on 2 cores)
     python benchmarks/bench_buffer.py --quick    # 1024 rollouts/step, B=1024, capacity 8192
@@ -50,6 +56,7 @@ import math
 import os
 import platform
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -286,71 +293,105 @@ CONTENDER_CLASSES = {"torchreplay": TorchReplayContender, "torchrl": TorchRLCont
 # ------------------------------------------------------------------------- worker
 
 
-def run_worker(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Fill to capacity (add only), then time `steps` full steps. Runs in a child process."""
-    if cfg["threads"] > 0:
-        torch.set_num_threads(cfg["threads"])
-    load_start = os.getloadavg()[0]
-    contender = CONTENDER_CLASSES[name](cfg)
-    src = RolloutSource(cfg, cfg["seed"])
-    adv_gen = torch.Generator().manual_seed(cfg["seed"] + 11)
-    n, b = cfg["rollouts_per_step"], cfg["batch_size"]
-    fill_steps = max(1, -(-cfg["capacity"] // n))
-    fill: list[dict[str, float]] = []
-    started = time.perf_counter()
-    for _ in range(fill_steps):
-        d = src.next()
-        fill.append(contender.add(d))
-        contender.advance_only(src.step)
+class Worker:
+    """One contender in its own process: `fill` to capacity (add only), then one timed `step` per
+    round on the parent's word, then a `summary`."""
+
+    def __init__(self, name: str, cfg: dict[str, Any]) -> None:
+        if cfg["threads"] > 0:
+            torch.set_num_threads(cfg["threads"])
+        self.name, self.cfg = name, cfg
+        self.load_start = os.getloadavg()[0]
+        self.contender = CONTENDER_CLASSES[name](cfg)
+        self.src = RolloutSource(cfg, cfg["seed"])
+        self.adv_gen = torch.Generator().manual_seed(cfg["seed"] + 11)
+        self.fill_records: list[dict[str, float]] = []
+        self.shape: tuple[int, ...] = ()
+        self.started = time.perf_counter()
+
+    def fill(self) -> dict[str, Any]:
+        fill_steps = max(1, -(-self.cfg["capacity"] // self.cfg["rollouts_per_step"]))
+        for _ in range(fill_steps):
+            d = self.src.next()
+            self.fill_records.append(self.contender.add(d))
+            self.contender.advance_only(self.src.step)
+            del d
+            print(f"[bench_buffer:{self.name}] fill step {self.src.step}: add {self.fill_records[-1]['add']:.3f}s, "
+                  f"size {self.contender.size()}", file=sys.stderr, flush=True)
+        return {"size": self.contender.size()}
+
+    def step(self) -> dict[str, float]:
+        d = self.src.next()
+        rec = self.contender.add(d)
         del d
-        print(f"[bench_buffer:{name}] fill step {src.step}: add {fill[-1]['add']:.3f}s, size {contender.size()}",
-              file=sys.stderr, flush=True)
-    steps: list[dict[str, float]] = []
-    shape: tuple[int, ...] = ()
-    for _ in range(cfg["steps"]):
-        d = src.next()
-        rec = contender.add(d)
-        del d
-        adv = new_advantages(b, adv_gen)
-        times, (batch, shape) = contender.sample_update(b, src.step, adv)
+        adv = new_advantages(self.cfg["batch_size"], self.adv_gen)
+        times, (batch, self.shape) = self.contender.sample_update(self.cfg["batch_size"], self.src.step, adv)
         del batch  # freeing the padded batch is not timed
         rec.update(times)
         rec["sample_update"] = sum(v for k, v in times.items())
         rec["total"] = rec["add"] + rec["sample_update"]  # the copy floor is a reference, not a cost
-        steps.append(rec)
-        print(
-            f"[bench_buffer:{name}] step {src.step}: "
-            + ", ".join(f"{k} {v:.3f}s" for k, v in rec.items())
-            + f"; batch {list(shape)}",
-            file=sys.stderr,
-            flush=True,
-        )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "name": name,
-        "note": contender.note,
-        "fill": fill,
-        "steps": steps,
-        "batch_shape": list(shape),
-        "size": contender.size(),
-        "peak_rss_bytes": peak,
-        "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-        "wall_s": time.perf_counter() - started,
-    }
+        rec["load"] = os.getloadavg()[0]
+        print(f"[bench_buffer:{self.name}] step {self.src.step}: " + ", ".join(f"{k} {v:.3f}s" for k, v in rec.items())
+              + f"; batch {list(self.shape)}", file=sys.stderr, flush=True)
+        return rec
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "note": self.contender.note,
+            "fill": self.fill_records,
+            "batch_shape": list(self.shape),
+            "size": self.contender.size(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "load_start": self.load_start,
+            "load_end": os.getloadavg()[0],
+            "wall_s": time.perf_counter() - self.started,
+        }
 
 
-def spawn_worker(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one contender in a child process; return its result or {'error': ...}."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-config", json.dumps(cfg)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"worker exited with {proc.returncode}: {proc.stdout.strip()[-300:]}"}
-    return json.loads(lines[-1])
+def serve(name: str, cfg: dict[str, Any]) -> None:
+    """The child's loop: one JSON command per stdin line ("fill", "step", "summary"), one JSON
+    answer per stdout line ({"error": ...} if the command failed)."""
+    worker = None
+    for line in sys.stdin:
+        command = line.strip()
+        try:
+            if worker is None:
+                worker = Worker(name, cfg)
+            answer = getattr(worker, command)()
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which skips the contender
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+        if command == "summary":
+            return
+
+
+class WorkerProcess:
+    """The parent's handle on one contender's child process."""
+
+    def __init__(self, name: str, cfg: dict[str, Any]) -> None:
+        self.name = name
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-config", json.dumps(cfg)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
+
+    def ask(self, command: str, timeout: float) -> dict[str, Any]:
+        """Send one command and wait for its answer; {'error': ...} on failure or timeout."""
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            return {"error": f"worker gone: {exc}"}
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            return {"error": f"no answer to {command!r} within {timeout:.0f}s (exit code {self.proc.poll()})"}
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def probe(name: str) -> str | None:
@@ -386,7 +427,7 @@ def mem_available() -> int:
     return 8 << 30
 
 
-def auto_capacity(cfg: dict[str, Any]) -> tuple[int, str]:
+def auto_capacity(cfg: dict[str, Any], contenders: int = 1) -> tuple[int, str]:
     mean_len = cfg["prompt_len"] + cfg["mean_response"]
     width = cfg["prompt_len"] + cfg["max_response"]
     per_rollout = mean_len * BYTES_PER_TOKEN
@@ -395,7 +436,8 @@ def auto_capacity(cfg: dict[str, Any]) -> tuple[int, str]:
     # temporaries while it is built.
     sample_bytes = 2 * cfg["batch_size"] * width * (BYTES_PER_TOKEN + 1)
     avail = mem_available()
-    budget = 0.4 * max(0, avail - sample_bytes - 3 * step_bytes)
+    # The contenders run side by side (they take turns in rounds): each gets its share.
+    budget = 0.4 * max(0, avail - contenders * (sample_bytes + 3 * step_bytes)) / contenders
     cap = MAX_CAPACITY
     while cap > cfg["rollouts_per_step"] and cap * per_rollout > budget:
         cap //= 2
@@ -403,8 +445,9 @@ def auto_capacity(cfg: dict[str, Any]) -> tuple[int, str]:
     why = (
         f"1M slots x {mean_len} tokens x {BYTES_PER_TOKEN} B = {MAX_CAPACITY * per_rollout / 1e9:.0f} GB does not fit; "
         f"MemAvailable {avail / 2**30:.1f} GiB minus a sampled batch (~{sample_bytes / 2**30:.1f} GiB with "
-        f"temporaries) and 3 steps of data ({3 * step_bytes / 2**30:.1f} GiB), 40% of the rest "
-        f"({budget / 2**30:.1f} GiB) holds {cap} slots ({cap * per_rollout / 2**30:.1f} GiB of rollouts)"
+        f"temporaries) and 3 steps of data ({3 * step_bytes / 2**30:.1f} GiB) per contender, 40% of the rest "
+        f"shared by {contenders} contender(s) running side by side ({budget / 2**30:.1f} GiB each) holds {cap} "
+        f"slots ({cap * per_rollout / 2**30:.1f} GiB of rollouts)"
     )
     return cap, why
 
@@ -423,10 +466,28 @@ def fmt_s(v: float | None) -> str:
     return f"{v:.4f}" if v < 0.1 else f"{v:.3f}"
 
 
+def per_round(a: list[dict[str, float]], key_a: str, b: list[dict[str, float]] | None = None,
+              key_b: str | None = None) -> list[float]:
+    """Per round: a's value (or a's / b's, both measured in that round)."""
+    if b is None:
+        return [r[key_a] for r in a if key_a in r]
+    return [x[key_a] / y[key_b] for x, y in zip(a, b) if key_a in x and y.get(key_b)]
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> tuple[str, str, str]:
+    """(median, IQR, min-max) of per-round values, formatted."""
+    if not values:
+        return "—", "—", "—"
+    f = fmt.format
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return f(statistics.median(values)), f"{f(q1)}-{f(q3)}", f"{f(min(values))}-{f(max(values))}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     res = report["results"]
     tr_, rl = res.get("torchreplay"), res.get("torchrl")
     step_s = report["meta"]["RL step (s)"]
+    rounds = report["config"]["steps"]
     if rl:
         for r in rl["steps"]:
             r["sample_padded"] = r["sample"] + r["pad"]
@@ -441,17 +502,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Replay-buffer step benchmark (CPU)",
         "",
-        f"Median seconds per RL step over {report['meta']['timed steps']} timed steps at a full buffer "
-        "(lower is better); ratio < 1 means torchreplay is faster.",
+        f"Median seconds per RL step over {rounds} rounds at a full buffer (lower is better). The "
+        "contenders run side by side, each in its own process, and take turns: one timed step each per "
+        "round, in alternating order, so each round gives one paired ratio; the ratio column is the "
+        "median of the per-round ratios (< 1: torchreplay is faster), with their IQR and range.",
         "",
-        "| per step | torchreplay | torchrl | torchreplay / torchrl |",
-        "|---|---:|---:|---:|",
+        "| per step | torchreplay | torchrl | torchreplay / torchrl | ratio IQR | ratio min-max |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, k_tr, k_rl in rows:
         a = med(tr_["steps"], k_tr) if tr_ and k_tr else None
         b = med(rl["steps"], k_rl) if rl and k_rl else None
-        ratio = f"{a / b:.2f}x" if a is not None and b else "—"
-        lines.append(f"| {label} | {fmt_s(a)} | {fmt_s(b)} | {ratio} |")
+        ratio = spread(per_round(tr_["steps"], k_tr, rl["steps"], k_rl)) if tr_ and rl and k_tr and k_rl else None
+        ratio_cells = [f"{ratio[0]}x", f"{ratio[1]}x", f"{ratio[2]}x"] if ratio and ratio[0] != "—" else ["—"] * 3
+        lines.append(f"| {label} | {fmt_s(a)} | {fmt_s(b)} | " + " | ".join(ratio_cells) + " |")
     if rl:
         lines += [
             "",
@@ -459,24 +523,21 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{fmt_s(med(rl['steps'], 'extend'))} s; sample to a padded batch = sample (lazy stack) "
             f"{fmt_s(med(rl['steps'], 'sample'))} s + padding {fmt_s(med(rl['steps'], 'pad'))} s.",
         ]
-    if tr_:
-        total = med(tr_["steps"], "total")
-        add = med(tr_["steps"], "add")
-        su = med(tr_["steps"], "sample_update")
-        floor = med(tr_["steps"], "add_copy_floor")
+    for name, r in ((n, x) for n, x in (("torchreplay", tr_), ("torchrl", rl)) if x):
+        share = spread([100 * v / step_s for v in per_round(r["steps"], "total")])
+        lines += ["", f"**{name}'s share of a {step_s:.0f} s RL step: {share[0]}%** (median over rounds; "
+                  f"IQR {share[1]}%, range {share[2]}%)" + (
+                      f"; target <= 1%: {'met' if float(share[0]) <= 1 else '**not met**'}." if name == "torchreplay"
+                      else ".")]
+    if tr_ and med(tr_["steps"], "add_copy_floor"):
+        copy = spread(per_round(tr_["steps"], "add", tr_["steps"], "add_copy_floor"))
         lines += [
             "",
-            f"torchreplay's add copies the step's token bytes once, into its shard: add {fmt_s(add)} s against "
-            f"{fmt_s(floor)} s for a bare copy of the same bytes (add / copy = {add / floor:.2f}x)."
-            if floor else "",
-            "",
-            f"**torchreplay's share of a {step_s:.0f} s RL step: {100 * total / step_s:.2f}%** "
-            f"(add {100 * add / step_s:.2f}%, sample+update {100 * su / step_s:.2f}%); target <= 1%: "
-            + ("met." if total / step_s <= 0.01 else "**not met**."),
+            f"torchreplay's add copies the step's token bytes once, into its shard: add "
+            f"{fmt_s(med(tr_['steps'], 'add'))} s against {fmt_s(med(tr_['steps'], 'add_copy_floor'))} s for a bare "
+            f"copy of the same bytes into fresh memory, timed right after it (add / copy per round: median "
+            f"{copy[0]}x, IQR {copy[1]}x, range {copy[2]}x).",
         ]
-    if rl:
-        total = med(rl["steps"], "total")
-        lines.append(f"TorchRL's share of the same step: {100 * total / step_s:.2f}%.")
     lines += ["", "## Per contender", ""]
     lines += ["| contender | fill add (s, median) | first add (s) | batch shape | size | peak RSS (GiB) | wall (s) |",
               "|---|---:|---:|---|---:|---:|---:|"]
@@ -485,6 +546,16 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {fmt_s(med(r['fill'], 'add'))} | {fmt_s(r['fill'][0]['add'])} | {r['batch_shape']} | "
             f"{r['size']} | {r['peak_rss_bytes'] / 2**30:.2f} | {r['wall_s']:.0f} |"
         )
+    lines += ["", "## Per round (seconds; load average at the end of each step)", ""]
+    names = list(res)
+    lines += ["| round | " + " | ".join(f"{n} total | {n} load" for n in names) + " |",
+              "|---:|" + "---:|---:|" * len(names)]
+    for i in range(rounds):
+        cells = []
+        for n in names:
+            steps = res[n]["steps"]
+            cells += [fmt_s(steps[i]["total"]), f"{steps[i]['load']:.2f}"] if i < len(steps) else ["—", "—"]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     lines += ["", "## Contenders", ""]
     lines += [f"- **{name}**: {r['note']}" for name, r in res.items()]
     if report["skipped"]:
@@ -495,11 +566,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            "Notes: each contender runs alone in a child process (load averages above are per child at start/end). "
-            "Fresh tensors each step (cloned from random pools outside the timed region). The buffer is first "
-            "filled to capacity with add-only steps ('fill'); timed steps then evict the oldest rollouts. "
-            "torchreplay's sample+update includes advance(); TorchRL has no equivalent. The padded batch is "
-            "freed outside the timed region."
+            "Notes: each contender runs in its own child process, all alive together; they take turns, "
+            "one step each per round (order AB, BA, ...). Fresh tensors each step (cloned from random pools "
+            "outside the timed region). Each buffer is first filled to capacity with add-only steps ('fill', "
+            "one contender at a time); timed steps then evict the oldest rollouts. torchreplay's "
+            "sample+update includes advance(); TorchRL has no equivalent. The padded batch is freed outside "
+            "the timed region."
         ),
         "",
     ]
@@ -511,11 +583,11 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1024 rollouts/step, B=1024, capacity <= 8192, 3 steps")
+    p.add_argument("--quick", action="store_true", help="1024 rollouts/step, B=1024, capacity <= 8192")
     p.add_argument("--rollouts-per-step", type=int, help="fresh rollouts added per step (default 8192; quick 1024)")
     p.add_argument("--batch-size", type=int, help="rollouts sampled per step (default: rollouts per step)")
     p.add_argument("--capacity", type=int, help="buffer slots for both contenders (default: largest that fits)")
-    p.add_argument("--steps", type=int, help="timed steps after the fill (default 3)")
+    p.add_argument("--steps", type=int, help="rounds after the fill: one timed step per contender each (default 8)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--mean-response", type=int, default=4000)
     p.add_argument("--response-cv", type=float, default=1.0, help="coefficient of variation of response length")
@@ -533,7 +605,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="Markdown output, JSON written next to it (default "
                    "benchmarks/results/bench_buffer.md, or bench_buffer_quick.md with --quick)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per contender")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker command (the fill, one step)")
     p.add_argument(
         "--threads",
         type=int,
@@ -551,18 +623,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_rounds(names: list[str], cfg: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every contender in its own child process, all alive at once: each fills its buffer, then
+    the contenders take turns, one timed step each per round, in alternating order (AB, BA, ...),
+    so that the machine's drift lands on both alike and each round gives one paired ratio.
+    Returns (results by contender, with `steps` in round order; why the others were skipped)."""
+    skipped: dict[str, str] = {}
+    workers: dict[str, WorkerProcess] = {}
+    for name in names:
+        why_not = probe(name)
+        if why_not:
+            skipped[name] = why_not
+            print(f"[bench_buffer] skipping {name}: {why_not}", file=sys.stderr)
+        else:
+            workers[name] = WorkerProcess(name, cfg)
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in workers}
+
+    def drop(name: str, why: str) -> None:
+        skipped[name] = why
+        print(f"[bench_buffer] {name} failed: {why}", file=sys.stderr)
+        workers.pop(name).close()
+
+    try:
+        for name in list(workers):  # one at a time: the fill is not compared
+            answer = workers[name].ask("fill", timeout)
+            if "error" in answer:
+                drop(name, answer["error"])
+        for r in range(cfg["steps"]):
+            order = list(workers) if r % 2 == 0 else list(reversed(workers))
+            for name in order:
+                answer = workers[name].ask("step", timeout)
+                if "error" in answer:
+                    drop(name, answer["error"])
+                else:
+                    steps[name].append(answer)
+        results = {}
+        for name in list(workers):
+            answer = workers[name].ask("summary", timeout)
+            if "error" in answer:
+                drop(name, answer["error"])
+            else:
+                results[name] = {**answer, "steps": steps[name]}
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return results, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        result = run_worker(args.worker, json.loads(args.worker_config))
-        print(json.dumps(result), flush=True)
+        serve(args.worker, json.loads(args.worker_config))
         return 0
 
     n = args.rollouts_per_step or (1024 if args.quick else 8192)
     cfg: dict[str, Any] = {
         "rollouts_per_step": n,
         "batch_size": args.batch_size or n,
-        "steps": args.steps or 3,
+        "steps": args.steps or 8,
         "prompt_len": args.prompt_len,
         "mean_response": args.mean_response,
         "response_cv": args.response_cv,
@@ -578,10 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if n % args.group:
         sys.exit(f"--rollouts-per-step ({n}) must be a multiple of --group ({args.group})")
+    runnable = [name for name in args.contenders if probe(name) is None]
     if args.capacity:
         cfg["capacity"], why = args.capacity, "set with --capacity"
     else:
-        cfg["capacity"], why = auto_capacity(cfg)
+        cfg["capacity"], why = auto_capacity(cfg, max(1, len(runnable)))
         if args.quick:
             cfg["capacity"] = min(cfg["capacity"], 8 * n)
             why += f"; --quick caps it at 8 steps ({8 * n})"
@@ -593,20 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_buffer] capacity {cfg['capacity']}: {why}", file=sys.stderr)
 
     started = time.perf_counter()
-    results: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for name in args.contenders:
-        why_not = probe(name)
-        if why_not:
-            skipped[name] = why_not
-            print(f"[bench_buffer] skipping {name}: {why_not}", file=sys.stderr)
-            continue
-        res = spawn_worker(name, cfg, args.timeout)
-        if "error" in res:
-            skipped[name] = res["error"]
-            print(f"[bench_buffer] {name} failed: {res['error']}", file=sys.stderr)
-        else:
-            results[name] = res
+    results, skipped = run_rounds(args.contenders, cfg, args.timeout)
 
     mean_len = cfg["prompt_len"] + cfg["mean_response"]
     report = {
@@ -630,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"~{n * mean_len * BYTES_PER_TOKEN / 1e9:.2f} GB/step"
             ),
             "sampler": f"prioritized, alpha {cfg['alpha']}, beta {cfg['beta']}, eps {cfg['eps']}",
-            "timed steps": cfg["steps"],
+            "rounds (one timed step per contender each)": cfg["steps"],
             "RL step (s)": args.step_seconds,
             "seed": args.seed,
         },
