@@ -126,7 +126,8 @@ def test_explicit_reward_is_kept_and_must_be_finite():
     (lambda b: b.update(logprobs=[1.0]), TypeError, "logprobs"),
     (lambda b: b.update(completion_extent=torch.tensor([[1, 0, 1, 0]] * 4)), ValueError,
      "completion_extent, row 0: .*one run"),
-    (lambda b: b.update(completion_extent=torch.zeros(4, 4, dtype=torch.long), completion_mask=torch.ones(4, 4, dtype=torch.long)),
+    (lambda b: b.update(completion_extent=torch.zeros(4, 4, dtype=torch.long),
+                        completion_mask=torch.ones(4, 4, dtype=torch.long)),
      ValueError, "completion_mask, row 0: .*outside completion_extent"),
     (lambda b: b.update(completion_extent=torch.ones(4, 4)), TypeError, "completion_extent.*int or bool"),
     (lambda b: b.update(completion_extent=torch.ones(4, 3, dtype=torch.long)), ValueError, "completion_extent: shape"),
@@ -221,3 +222,14 @@ def test_split_to_given_widths_with_full_width_fields():
         split_padded(batch.data, batch.token_fields, 7, widths=(tp - 1, tc))
     with pytest.raises(ValueError, match="full_width: 'advantage' is not a token field"):
         split_padded(batch.data, batch.token_fields, 7, full_width=("advantage",))
+
+
+def test_split_refuses_a_field_named_like_a_layout_key():
+    """A declared field called `prompt_mask` would overwrite split's own prompt_mask: refused."""
+    b = padded_batch(4, 3, 3, 0)
+    clash = tr.FieldSpec("prompt_mask", "rollout", torch.float32)
+    buf = tr.RolloutBuffer(8, seed=0, extra_fields={"prompt_mask": clash})
+    handles = buf.add({**tr.from_padded(**b), "prompt_mask": torch.zeros(4)})
+    batch = buf.gather(handles.slot, count_use=False)
+    with pytest.raises(ValueError, match="field 'prompt_mask' has the name of a layout key"):
+        batch.split()

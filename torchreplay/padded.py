@@ -27,6 +27,8 @@ import torch
 from torchreplay.storage.tiered import ranges
 
 SIDES = ("left", "right")
+# The layout keys `split_padded` gives back; a field of one of these names would be overwritten.
+SPLIT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_extent")
 # Rollout-level fields `from_padded` fills itself; everything else in **fields passes through.
 _ROLLOUT_ARGS = ("advantage", "group_id", "policy_version", "reward")
 
@@ -197,6 +199,9 @@ def split_padded(data: Mapping[str, torch.Tensor], token_fields: tuple[str, ...]
     for name in full_width:
         if name not in token_fields or name not in data:
             raise ValueError(f"full_width: {name!r} is not a token field of the batch")
+    for name in data:
+        if name in SPLIT_KEYS:
+            raise ValueError(f"field {name!r} has the name of a layout key split gives back; rename the field")
     valid = data["attention_mask"]
     n, width = valid.shape
     lengths = valid.sum(1)
