@@ -38,6 +38,7 @@ def make_dataproto(n_prompts=3, n=4, seed=0, positions="mask", uid_prefix="", co
     prompt_len = prompt_len.repeat_interleave(n)
     response_len = torch.randint(1, RESPONSE_WIDTH + 1, (size,), generator=g)
     response_len[1] = RESPONSE_WIDTH
+    response_len[3:4] = RESPONSE_WIDTH - 2
     if unpadded:
         prompt_len[:], response_len[:] = prompt_width, RESPONSE_WIDTH
     prompt_attn = (torch.arange(prompt_width) >= prompt_width - prompt_len.unsqueeze(1)).long()
@@ -48,6 +49,8 @@ def make_dataproto(n_prompts=3, n=4, seed=0, positions="mask", uid_prefix="", co
     attention_mask = torch.cat([prompt_attn, response_attn], 1)
     response_mask = response_attn.clone()
     response_mask[2, : max(int(response_len[2]) - 1, 0)] = 0  # a multi-turn row: tool output is not trained on
+    # A multi-turn row that ends in tool output: those tokens are kept (attention_mask), not trained on.
+    response_mask[3:4, 4:] = 0
     if positions.startswith("rope"):  # 1 at padding; vision tokens set the h/w channels apart
         channels = int(positions[-1])
         position_ids = torch.ones(size, channels, width, dtype=torch.long)
@@ -119,6 +122,8 @@ def buffer_for(data, capacity=64, **kwargs):
 @pytest.mark.parametrize("positions", ["mask", "hf_rollout", "rope3", "rope4"])
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_round_trip_is_bit_for_bit(positions, padding_side):
+    """Row 3's response ends in untrained tokens: stored to the attention mask's end, not the
+    response_mask's last 1 (fails if from_dataproto passes no completion_extent to from_padded)."""
     data = make_dataproto(positions=positions, constructor="single" if padding_side == "right" else "dict")
     buf = buffer_for(data, padding_side=padding_side, token_dtype=torch.int32)
     adapter = DataProtoAdapter(buf)
@@ -285,6 +290,7 @@ def mutate(data, key, value):
     ("prompts not in input_ids", "'prompts'"),
     ("undeclared key", "'entropys'"),
     ("no advantages", "'advantages'"),
+    ("key named like a padded layout key", "'completion_mask' has the name of a padded layout key"),
 ])
 def test_bad_batches_are_refused_before_anything_changes(case, match):
     data = make_dataproto()
@@ -305,6 +311,8 @@ def test_bad_batches_are_refused_before_anything_changes(case, match):
         data.batch["prompts"][0, -1] += 1
     elif case == "undeclared key":
         mutate(data, "entropys", torch.rand(size, RESPONSE_WIDTH))
+    elif case == "key named like a padded layout key":  # to_dataproto could not read it back
+        mutate(data, "completion_mask", torch.ones(size, RESPONSE_WIDTH, dtype=torch.long))
     with pytest.raises(ValueError, match=match):
         adapter.add(data, version=0)
     with pytest.raises(ValueError, match=match):

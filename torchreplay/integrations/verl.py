@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
+from torchreplay.padded import SPLIT_KEYS, from_padded, split_padded
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, default_fields
 
 __all__ = ["DataProtoAdapter", "verl_fields"]
@@ -116,6 +117,8 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> _Layout:
             raise TypeError(f"{key!r}: expected floating-point values, got dtype {value.dtype}")
         if key in _BUILTIN and key not in _DERIVED:
             raise ValueError(f"batch key {key!r} has the name of a built-in buffer field; rename it")
+        if key in SPLIT_KEYS:  # to_dataproto reads the rows back through split_padded's layout keys
+            raise ValueError(f"batch key {key!r} has the name of a padded layout key; rename it")
     where = {}
     for key, value in tensors.items():
         if key in _DERIVED:
@@ -307,31 +310,18 @@ class DataProtoAdapter:
         if bool((trained & ~valid[:, prompt_width:]).any()):
             raise ValueError("'response_mask': 1 at a padded position of the response")
 
-        offsets = torch.zeros(size + 1, dtype=torch.int64)
-        torch.cumsum(prompt_len + response_len, 0, out=offsets[1:])
-
-        def packed(value: torch.Tensor, where: str = "sequence") -> dict[str, torch.Tensor]:
-            if where == "response":  # zeros over the prompt, as `add` wants for logprobs
-                value = torch.cat([value.new_zeros((size, prompt_width, *value.shape[2:])), value], 1)
-            return {"values": value[valid], "offsets": offsets}
-
         behaviour = tensors["old_log_probs" if "old_log_probs" in tensors else "rollout_log_probs"]
-        batch: dict[str, Any] = {
-            "tokens": packed(ids),
-            "prompt_len": prompt_len,
-            "response_mask": packed(trained, "response"),
-            "logprobs": packed(behaviour.float(), "response"),
-            "advantage": ((tensors["advantages"].double() * trained).sum(1) / trained.sum(1).clamp(min=1)).float(),
-            "group_id": self._group_ids(data, size),
-            "policy_version": version,
-        }
-        if "token_level_scores" in tensors:
-            batch["reward"] = tensors["token_level_scores"].double().sum(1).float()
-        for key, where in layout.where.items():
-            value = tensors[key]
-            if key == "position_ids" and value.dim() == 3:
-                value = value.transpose(1, 2)  # [B, C, T] -> one (C,) row per token
-            batch[key] = value if where == "rollout" else packed(value, where)
+        # [B, C, T] position_ids -> one (C,) row per token; every other key as it is.
+        extra = {key: tensors[key].transpose(1, 2) if key == "position_ids" and tensors[key].dim() == 3
+                 else tensors[key] for key in layout.where}
+        # attention_mask is the extent (what is stored), response_mask the training mask within it.
+        batch = from_padded(
+            ids[:, :prompt_width], valid[:, :prompt_width], ids[:, prompt_width:], trained, behaviour.float(),
+            completion_extent=valid[:, prompt_width:], policy_version=version, group_id=None,
+            advantage=((tensors["advantages"].double() * trained).sum(1) / trained.sum(1).clamp(min=1)).float(),
+            reward=tensors["token_level_scores"].double().sum(1).float() if "token_level_scores" in tensors else None,
+            **extra)
+        batch["group_id"] = self._group_ids(data, size)  # after every check: it uses up ids of uid-less rows
         self._seen.update(_padding(tensors, valid, prompt_width))
         return batch
 
@@ -419,40 +409,35 @@ class DataProtoAdapter:
         layout = _layout(like)
         prompt_width = layout.prompt_width
         data, present = batch.data, batch.data["attention_mask"]
-        device = present.device
-        lengths, prompt_len = present.sum(1), data["prompt_len"].to(device)
+        lengths, prompt_len = present.sum(1), data["prompt_len"].to(present.device)
         for key, count, room in (("prompts", prompt_len, prompt_width),
                                  ("responses", lengths - prompt_len, layout.response_width)):
             if bool((count > room).any()):
                 i = int((count > room).nonzero()[0, 0])
                 raise ValueError(f"{key!r}: row {i} has {int(count[i])} tokens, the template's width is {room}")
-        # Token k of a row lands at column prompt_width - prompt_len + k: its prompt ends where responses start.
-        index = torch.arange(prompt_width + layout.response_width, device=device) - prompt_width + prompt_len[:, None]
-        valid = (index >= 0) & (index < lengths[:, None])
-        source = (present.int().argmax(1, keepdim=True) + index).clamp(0, max(present.shape[1] - 1, 0))
-
-        def take(name: str, part: slice = slice(None)) -> torch.Tensor:
-            if name not in data:
-                raise ValueError(f"{name!r}: the template has it, the buffer's rows do not")
-            value = data[name][torch.arange(n, device=device)[:, None], source]
-            return value.masked_fill(~valid.view(*valid.shape, *[1] * (value.dim() - 2)), 0)[:, part]
-
         cpu = {key: value.detach().cpu() for key, value in like.items()}
         found = {**self._seen, **_padding(cpu, cpu["attention_mask"] != 0, prompt_width)}
         prompt_pad = found.get("prompt_pad", found.get("response_pad", 0))
-        pad_row = torch.tensor([prompt_pad] * prompt_width + [found.get("response_pad", prompt_pad)]
-                               * layout.response_width, dtype=data["tokens"].dtype, device=device)
-        ids = torch.where(valid, take("tokens"), pad_row)
-        response = slice(prompt_width, None)
+        # Prompts left-padded and responses right-padded to the template's widths; the keys it
+        # holds over the whole sequence come back over prompt + response.
+        sequence = tuple(key for key, where in layout.where.items()
+                         if where == "sequence" and key in batch.token_fields)
+        parts = split_padded(data, batch.token_fields, prompt_pad, "left",
+                             widths=(prompt_width, layout.response_width), full_width=sequence)
+        extent = parts["completion_extent"].bool()
+        response_ids = parts["completion_ids"].masked_fill(~extent, found.get("response_pad", prompt_pad))
+        ids = torch.cat([parts["prompt_ids"], response_ids], 1)
+        valid = torch.cat([parts["prompt_mask"].bool(), extent], 1)
+        built = {"input_ids": ids, "prompts": ids[:, :prompt_width], "responses": ids[:, prompt_width:],
+                 "attention_mask": valid, "response_mask": parts["completion_mask"], "old_log_probs": parts["logprobs"]}
         out = {}
         for key, example in like.items():
-            if key in ("input_ids", "prompts", "responses", "attention_mask"):
-                value = {"input_ids": ids, "prompts": ids[:, :prompt_width], "responses": ids[:, response],
-                         "attention_mask": valid}[key]
-            elif key in ("response_mask", "old_log_probs"):
-                value = take("response_mask" if key == "response_mask" else "logprobs", response)
+            if key in built:
+                value = built[key]
+            elif key not in parts:
+                raise ValueError(f"{key!r}: the template has it, the buffer's rows do not")
             elif key == "position_ids":
-                dims, position = example.dim(), take(key)
+                dims, position = example.dim(), parts[key]
                 if position.dim() != dims:
                     raise ValueError(f"'position_ids': the buffer's rows are {'[B, T]' if dims == 3 else '[B, C, T]'}, "
                                      f"the template's {list(example.shape)}")
@@ -460,12 +445,8 @@ class DataProtoAdapter:
                 rules = found.get(f"left{dims}", _LEFT_RULES[dims][0]), found.get(f"right{dims}", _RIGHT_RULES[dims][0])
                 position = _fill_positions(position, valid, prompt_width, *rules)
                 value = position.squeeze(1) if dims == 2 else position
-            elif layout.where[key] == "rollout":
-                if key not in data:
-                    raise ValueError(f"{key!r}: the template has it, the buffer's rows do not")
-                value = data[key].clone()
-            else:
-                value = take(key, response if layout.where[key] == "response" else slice(None))
+            else:  # a rollout key is the buffer's own tensor: copied, so the DataProto owns its values
+                value = parts[key].clone() if layout.where[key] == "rollout" else parts[key]
             if value.shape[1:] != example.shape[1:]:
                 raise ValueError(f"{key!r}: rows of shape {list(value.shape[1:])}, the template's are "
                                  f"{list(example.shape[1:])}")
