@@ -64,8 +64,9 @@ class ReplayBatch:
     def split(self, prompt_side: str = "left") -> dict[str, torch.Tensor]:
         """The layout TRL and verl train on: `prompt_ids`/`prompt_mask` [B, Tp] padded on
         `prompt_side`, `completion_ids`/`completion_mask` [B, Tc] right-padded (int64 masks),
-        every other token field completion-aligned [B, Tc, ...] (`logprobs` included), rollout
-        fields as they are, plus `weights`, `is_fresh`, `age` and `reuse`. A batch made by
+        `completion_extent` [B, Tc] (1 on each completion's tokens, trained or not), every other
+        token field completion-aligned [B, Tc, ...] (`logprobs` included), rollout fields as they
+        are, plus `weights`, `is_fresh`, `age` and `reuse`. A batch made by
         `from_padded` comes back exactly as it went in, up to the batch's own padding widths."""
         out = split_padded(self.data, self.token_fields, self.pad_token_id, prompt_side)
         out.update(weights=self.weights, is_fresh=self.is_fresh, age=self.age, reuse=self.reuse)

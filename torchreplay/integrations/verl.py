@@ -23,7 +23,9 @@ over the response ([B, Tr]: old_log_probs, rollout_log_probs, ref_log_prob, adva
 token_level_scores, token_level_rewards, values) or the whole sequence ([B, Tp + Tr, ...]:
 routed_experts); `non_tensor_batch` of numpy arrays, `uid` naming each row's GRPO group.
 
-Stored per rollout (the tokens under attention_mask):
+Stored per rollout (the tokens under attention_mask; the conversion is padded.py's: `from_padded`
+with attention_mask's response part as `completion_extent` and response_mask as the training mask,
+and back through `split_padded` at the template's widths):
 - `tokens`, `prompt_len`, `response_mask` (False over the prompt), `logprobs` = old_log_probs (or
   rollout_log_probs when there is none) over the response and 0 over the prompt;
 - `advantage` = the mean of `advantages` where response_mask is 1, summed in float64: for GRPO
