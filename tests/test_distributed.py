@@ -867,3 +867,32 @@ def test_plan_reshard_assigns_every_shard_once_and_balances():
         assert plan_reshard(live, world) == owner  # deterministic
     with pytest.raises(ValueError, match="world_size"):
         plan_reshard(live, 0)
+
+
+def test_an_owners_draws_at_positions_keep_every_reuse_budget():
+    """`RolloutBuffer.draw_at`, an owner's half of global sampling: a slot named past its reuse
+    budget keeps its first draws and the rest are redrawn from slots with budget left; with no
+    such slot it raises and the buffer's generator is as it was. Fails when `Ledger.draw_at` does
+    not take the kept draws off the budgets (the redraw then names slot 0 again: [0, 0, 1])."""
+    import torchreplay as tr
+    from rollouts import make_batch
+
+    sampler = tr.PrioritizedSampler(alpha=1.0, beta=0.0)
+    buf = tr.RolloutBuffer(capacity=2, sampler=sampler, max_reuse=2, seed=0)
+    buf.add(make_batch(2, advantage=torch.tensor([1000.0, 0.001])))  # slot 0 holds ~all the mass
+    buf.gather(torch.tensor([0]), count_use=True)  # slot 0: one use left; slot 1: two
+    within, _, redrawn = buf.draw_at(torch.tensor([0.5], dtype=torch.float64))
+    assert within.tolist() == [0] and redrawn == 0  # within its budget: kept
+    slots, prio, redrawn = buf.draw_at(torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64))
+    assert slots.tolist() == [0, 1, 1] and redrawn == 2
+    assert prio.tolist() == pytest.approx([1000.001, 0.002, 0.002])  # (|A| + eps) ** 1
+    assert len(buf.gather(slots, count_use=True)) == 3  # within every budget: gather accepts them
+
+    solo = tr.RolloutBuffer(capacity=2, sampler=tr.UniformSampler(), max_reuse=1, seed=0)
+    solo.add(make_batch(1))
+    state = solo.generator.get_state()
+    with pytest.raises(ValueError, match="reuse budgets"):
+        solo.draw_at(torch.tensor([0.1, 0.6], dtype=torch.float64))
+    assert torch.equal(solo.generator.get_state(), state)
+    with pytest.raises(TypeError, match="ProportionalSampler"):
+        tr.RolloutBuffer(capacity=2, sampler=tr.GroupSampler()).draw_at(torch.tensor([0.5], dtype=torch.float64))

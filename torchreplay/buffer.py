@@ -290,6 +290,12 @@ class RolloutBuffer(Persistence):
         self.storage.reads.commit(reads)
         return batch if device is None else batch.to(device)
 
+    def draw_at(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Proportional samplers: the slots at positions `u` in [0, 1) of the priority mass, their
+        priorities and how many draws past a reuse budget were redrawn with the buffer's own
+        generator (`Ledger.draw_at`). Nothing is read or counted: pass the slots to `gather`."""
+        return self.ledger.draw_at(u, self.generator)
+
     def prefetching(self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
                     generator: torch.Generator | None = None) -> Iterator[ReplayBatch]:
         """Iterate batches with the next one always in flight (sample-ahead)."""

@@ -93,7 +93,7 @@ from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
 from torchreplay.checkpoint.store import ObjectStore
 from torchreplay.errors import CheckpointError, ReplayError
-from torchreplay.samplers.base import occurrence_rank
+from torchreplay.samplers import ProportionalSampler
 from torchreplay.schema import ROLLOUT, TOKEN
 
 MODES = ("local", "global")
@@ -270,7 +270,8 @@ def _check_checkpoint_args(uri: str | None, interval_s: float, endpoint_url: str
 
 
 def _check_sampler(buffer: RolloutBuffer, mode: str) -> None:
-    if mode == "global" and not getattr(buffer.sampler, "proportional", False):
+    sampler = buffer.sampler
+    if mode == "global" and not (isinstance(sampler, ProportionalSampler) and sampler.proportional):
         raise TypeError("mode='global' needs a proportional tree sampler (PrioritizedSampler, "
                         f"FreshnessSampler or UniformSampler), got {type(buffer.sampler).__name__}")
 
@@ -443,11 +444,12 @@ class DistributedRolloutBuffer:
     def _shard_row(self, batch_size: int, ok: bool, shift: float = 0.0) -> torch.Tensor:
         sampler = self.buffer.sampler
         count = len(self.buffer)
-        if getattr(sampler, "proportional", False):
+        weighted = isinstance(sampler, ProportionalSampler)
+        if weighted and sampler.proportional:
             total, pmin = sampler.mass()
         else:  # samplers without priorities: weights are all ones, only count matters
             total, pmin = float(count), (1.0 if count else math.inf)
-        beta = float(getattr(sampler, "beta", 0.0))
+        beta = float(sampler.beta) if weighted else 0.0  # the protocol's default outside it
         return torch.tensor([count, total, pmin, beta, batch_size, 1.0 if ok else 0.0, shift, self.buffer.version],
                             dtype=torch.float64)
 
@@ -702,7 +704,8 @@ class DistributedRolloutBuffer:
             raise ValueError(f"cannot sample in local mode: the shard of rank(s) {empty} is empty")
         batch = self.buffer.sample(batch_size, generator=generator)
         beta = float(rows[self.rank, _BETA])
-        if beta and getattr(self.buffer.sampler, "weight_norm", None) == "buffer_max":
+        sampler = self.buffer.sampler
+        if beta and isinstance(sampler, ProportionalSampler) and sampler.weight_norm == "buffer_max":
             # The sampler normalized by this shard's min; rescale to the job-wide smallest probability.
             # (The batch norms need nothing: within one rank's batch the shard total cancels.)
             ratio = rows[:, _MIN] / rows[:, _TOTAL]
@@ -768,15 +771,16 @@ class DistributedRolloutBuffer:
         n = requests.numel()
         failure: BaseException | None = None
         batch = None
+        slots, prio = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.float64)
         if n:
-            slots, prio = buf.sampler.draw_at(requests)
             try:
-                slots, prio = self._within_reuse_budget(slots, prio)
+                # Each slot's draws past its reuse budget are redrawn from this shard, so no rollout
+                # exceeds max_reuse even when several ranks requested it.
+                slots, prio, redrawn = buf.draw_at(requests)
+                self._counters["dist_reuse_redraws"] += redrawn
                 batch = buf.gather(slots, count_use=True)
             except Exception as e:  # noqa: BLE001 - re-raised by the caller after the exchange
                 failure = e
-        else:
-            slots, prio = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
         if batch is not None:
             mask = batch.attention_mask
             lengths = mask.sum(1)
@@ -806,28 +810,6 @@ class DistributedRolloutBuffer:
             token_bytes[name] = _to_bytes(flat, n_tok)
         tokens_per_peer = [int(s.sum()) for s in torch.split(lengths, recv_counts)]
         return meta, token_bytes, tokens_per_peer, failure
-
-    def _within_reuse_budget(self, slots: torch.Tensor, prio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Owner side: keep each requested slot's first draws up to its reuse budget and redraw the
-        rest from this shard (proportionally, among slots with budget left, with the shard's own
-        generator), so no rollout exceeds max_reuse even when several ranks requested it."""
-        buf = self.buffer
-        if buf.max_reuse is None or slots.numel() == 0:
-            return slots, prio
-        remaining = (buf.max_reuse - buf.slots.reuse).clamp(min=0)
-        remaining[~buf.slots.live] = 0
-        over = occurrence_rank(slots) >= remaining[slots]
-        if not bool(over.any()):
-            return slots, prio
-        remaining.index_add_(0, slots[~over], -torch.ones_like(slots[~over]))
-        extra, extra_prio, _ = buf.sampler.draw(int(over.sum()), buf.generator, remaining)
-        if extra.numel() < int(over.sum()):
-            raise ValueError(f"rank {self.rank}: the requested rollouts exceed their reuse budgets and this shard "
-                             "has no other rollout with budget left")
-        slots, prio = slots.clone(), prio.clone()
-        slots[over], prio[over] = extra, extra_prio
-        self._counters["dist_reuse_redraws"] += extra.numel()
-        return slots, prio
 
     def _decode_meta(self, meta: torch.Tensor) -> dict[str, torch.Tensor]:
         out, col = {}, 0

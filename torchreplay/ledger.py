@@ -17,7 +17,8 @@ import torch
 
 from torchreplay.assembly import effective_sample_size
 from torchreplay.errors import SchemaError
-from torchreplay.samplers import Sampler
+from torchreplay.samplers import ProportionalSampler, Sampler
+from torchreplay.samplers.base import occurrence_rank
 from torchreplay.schema import check_finite_advantages
 from torchreplay.slots import LIMIT, SlotTable, check_int
 
@@ -94,8 +95,11 @@ class Ledger:
             return torch.empty(0, dtype=torch.int64)
         return self.slots.older_than(version - self.max_staleness)
 
-    def remaining(self, excluded: torch.Tensor) -> torch.Tensor | None:
-        """Per slot, how many more times it may be returned (None: no limit anywhere)."""
+    def remaining(self, excluded: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Per slot, how many more times it may be returned (None: no limit anywhere); 0 for
+        dead slots and for the `excluded` ones."""
+        if excluded is None:
+            excluded = torch.empty(0, dtype=torch.int64)
         if self.max_reuse is None and excluded.numel() == 0:
             return None
         t = self.slots
@@ -128,6 +132,36 @@ class Ledger:
             generator.set_state(state)
             raise
         return slots, weights
+
+    def draw_at(self, u: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The slots at positions `u` in [0, 1) of a `ProportionalSampler`'s priority mass, with
+        their priorities (float64), within the reuse budgets: a slot named more often than it may
+        still be returned keeps its first draws, and the others are redrawn with `generator`
+        from the slots with budget left, in proportion to their priorities. Returns (slots,
+        priorities, how many were redrawn). ValueError, with the generator as it was, when too
+        few rollouts have budget left. (An owner's half of sampling across ranks.)"""
+        sampler = self.sampler
+        if not isinstance(sampler, ProportionalSampler):
+            raise TypeError(f"draws at positions of the mass need a ProportionalSampler, got {type(sampler).__name__}")
+        slots, prio = sampler.draw_at(u)
+        remaining = self.remaining()
+        if remaining is None or slots.numel() == 0:
+            return slots, prio, 0
+        over = occurrence_rank(slots) >= remaining[slots]
+        n_over = int(over.sum())
+        if not n_over:
+            return slots, prio, 0
+        kept = slots[~over]
+        remaining.index_add_(0, kept, -torch.ones_like(kept))
+        state = generator.get_state()
+        extra, extra_prio, _ = sampler.draw(n_over, generator, remaining)
+        if extra.numel() < n_over:
+            generator.set_state(state)
+            raise ValueError("the requested rollouts exceed their reuse budgets and no other rollout of this buffer "
+                             "has budget left")
+        slots, prio = slots.clone(), prio.clone()
+        slots[over], prio[over] = extra, extra_prio
+        return slots, prio, n_over
 
     # -- changes --------------------------------------------------------------------------------
     def insert(self, meta: Mapping[str, torch.Tensor], n: int, shard: int, overflow_ok: bool) -> tuple[torch.Tensor, Released]:

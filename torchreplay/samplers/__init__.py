@@ -5,7 +5,7 @@ advantage, and asks it for `n` slots. See `Sampler` for the protocol and docs/ap
 write your own.
 """
 
-from torchreplay.samplers.base import Sampler, SlotView, TreeSampler
+from torchreplay.samplers.base import ProportionalSampler, Sampler, SlotView, TreeSampler
 from torchreplay.samplers.builtin import (
     FreshnessSampler,
     GroupSampler,
@@ -17,6 +17,7 @@ from torchreplay.samplers.registry import register_sampler, registered_samplers,
 
 __all__ = [
     "Sampler",
+    "ProportionalSampler",
     "SlotView",
     "TreeSampler",
     "UniformSampler",

@@ -70,6 +70,38 @@ class Sampler(Protocol):
     def to(self, device: torch.device | str) -> "Sampler": ...
 
 
+@runtime_checkable
+class ProportionalSampler(Sampler, Protocol):
+    """A `Sampler` over a priority mass, as every `TreeSampler` is: what draws at given positions
+    of the mass (`Ledger.draw_at`) and sampling across ranks (`DistributedRolloutBuffer`) need.
+
+    - `proportional`: True when `sample` draws exactly in proportion to the priorities (global
+      sampling across ranks needs it; `PNewestSampler` sets False).
+    - `beta`, `weight_norm`: the IS weights' exponent and normalization (one of `WEIGHT_NORMS`),
+      as `is_weights` applies them; `TreeSampler`'s defaults are beta 0 (every weight 1) and
+      "batch_max". A sampler outside this protocol (`GroupSampler`, any plain `Sampler`) counts
+      as beta 0 with no normalization of its own: its weights are used as it returns them.
+    - `mass()`: (sum of priorities, smallest positive priority or +inf).
+    - `draw_at(u)`: the slots at positions `u` in [0, 1) of the mass, with their priorities.
+    - `draw(n, generator, remaining=None)`: proportional draws under per-slot budgets, with their
+      priorities and the smallest drawable priority.
+    - `is_weights(prio, buffer_min)`: IS weights for rows drawn with priorities `prio`.
+    """
+
+    proportional: bool
+    beta: float
+    weight_norm: str
+
+    def mass(self) -> tuple[float, float]: ...
+
+    def draw_at(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def draw(self, n: int, generator: torch.Generator | None,
+             remaining: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]: ...
+
+    def is_weights(self, prio: torch.Tensor, buffer_min: float) -> torch.Tensor: ...
+
+
 def occurrence_rank(slots: torch.Tensor) -> torch.Tensor:
     """For each entry, how many earlier entries name the same slot (0 for a slot's first draw):
     what a per-slot budget is compared with."""
@@ -105,7 +137,7 @@ class TreeSampler:
     """
 
     tree_dtype = torch.float64
-    beta: float = 0.0
+    beta: float = 0.0  # no reweighting unless a subclass (or the caller, annealing) sets it
     weight_norm: str = "batch_max"
     depends_on_version = False
     proportional = True  # draws are exactly proportional to the leaves (global sampling relies on it)
