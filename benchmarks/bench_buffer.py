@@ -287,7 +287,12 @@ class TorchRLContender:
         return len(self.rb)
 
 
-CONTENDER_CLASSES = {"torchreplay": TorchReplayContender, "torchrl": TorchRLContender}
+# "torchreplay@base" is the same contender code run against another source tree of torchreplay
+# (--baseline-tree: a checkout of an older commit with its extension built in place), so that a
+# refactoring is measured against the code it replaced, in the same run.
+BASELINE = "torchreplay@base"
+CONTENDER_CLASSES = {"torchreplay": TorchReplayContender, "torchrl": TorchRLContender,
+                     BASELINE: TorchReplayContender}
 
 
 # ------------------------------------------------------------------------- worker
@@ -336,9 +341,10 @@ class Worker:
         return rec
 
     def summary(self) -> dict[str, Any]:
+        source = sys.modules["torchreplay"].__file__ if "torchreplay" in sys.modules else None
         return {
             "name": self.name,
-            "note": self.contender.note,
+            "note": self.contender.note + (f" (torchreplay from {os.path.dirname(source)})" if source else ""),
             "fill": self.fill_records,
             "batch_shape": list(self.shape),
             "size": self.contender.size(),
@@ -372,7 +378,11 @@ class WorkerProcess:
     def __init__(self, name: str, cfg: dict[str, Any]) -> None:
         self.name = name
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-config", json.dumps(cfg)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
+        env = dict(os.environ)
+        if name == BASELINE:  # the baseline tree's torchreplay comes first on the path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (cfg["baseline_tree"], env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+                                     env=env)
 
     def ask(self, command: str, timeout: float) -> dict[str, Any]:
         """Send one command and wait for its answer; {'error': ...} on failure or timeout."""
@@ -394,8 +404,20 @@ class WorkerProcess:
         self.proc.wait()
 
 
-def probe(name: str) -> str | None:
+def probe(name: str, cfg: dict[str, Any] | None = None) -> str | None:
     """Why a contender cannot run here (import failure), or None."""
+    if name == BASELINE:
+        tree = (cfg or {}).get("baseline_tree")
+        if not tree:
+            return "no --baseline-tree given"
+        code = "import torchreplay, sys; sys.exit(0 if torchreplay.__file__.startswith(sys.argv[1]) else 1)"
+        env = {**os.environ, "PYTHONPATH": tree}
+        # cwd=tree: `python -c` puts the working directory first on the path, as a worker's script dir is.
+        result = subprocess.run([sys.executable, "-c", code, os.path.abspath(tree)], env=env, capture_output=True,
+                                text=True, cwd=tree)
+        return None if result.returncode == 0 else (
+            f"torchreplay from {tree} does not import: {(result.stderr.strip().splitlines() or ['?'])[-1]} "
+            "(build it there: python setup.py build_ext --inplace)")
     try:
         if name == "torchreplay":
             import torchreplay  # noqa: F401
@@ -529,6 +551,18 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"IQR {share[1]}%, range {share[2]}%)" + (
                       f"; target <= 1%: {'met' if float(share[0]) <= 1 else '**not met**'}." if name == "torchreplay"
                       else ".")]
+    base = res.get(BASELINE)
+    if tr_ and base:
+        lines += ["", f"## torchreplay against {BASELINE} ({report['config'].get('baseline_tree')})", "",
+                  "The same contender code on another source tree, in the same rounds: per-round ratio "
+                  "torchreplay / baseline (1.00x: the same; < 1: this tree is faster).", "",
+                  "| per step | torchreplay | baseline | ratio (median) | ratio IQR | ratio min-max |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for label, key in (("add (s)", "add"), ("sample + update (s)", "sample_update"),
+                           ("add + sample + update (s)", "total")):
+            ratio = spread(per_round(tr_["steps"], key, base["steps"], key))
+            lines.append(f"| {label} | {fmt_s(med(tr_['steps'], key))} | {fmt_s(med(base['steps'], key))} | "
+                         f"{ratio[0]}x | {ratio[1]}x | {ratio[2]}x |")
     if tr_ and med(tr_["steps"], "add_copy_floor"):
         copy = spread(per_round(tr_["steps"], "add", tr_["steps"], "add_copy_floor"))
         lines += [
@@ -601,7 +635,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.4)
     p.add_argument("--eps", type=float, default=1e-3)
     p.add_argument("--step-seconds", type=float, default=30.0, help="RL step time the buffer's share is taken of")
-    p.add_argument("--contenders", type=lambda s: s.split(","), default=list(CONTENDERS))
+    p.add_argument("--contenders", type=lambda s: s.split(","), default=None,
+                   help=f"comma-separated, from {', '.join(CONTENDER_CLASSES)} (default: torchreplay,torchrl, "
+                   f"plus {BASELINE} with --baseline-tree)")
+    p.add_argument("--baseline-tree", help=f"a torchreplay source tree with its extension built in place: the "
+                   f"{BASELINE} contender (e.g. git worktree add /tmp/base OLD_COMMIT)")
     p.add_argument("--out", type=Path, help="Markdown output, JSON written next to it (default "
                    "benchmarks/results/bench_buffer.md, or bench_buffer_quick.md with --quick)")
     p.add_argument("--seed", type=int, default=0)
@@ -618,8 +656,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.out is None:
         args.out = DEFAULT_OUT.with_name("bench_buffer_quick.md") if args.quick else DEFAULT_OUT
-    if set(args.contenders) - set(CONTENDERS):
-        p.error(f"unknown contenders: {sorted(set(args.contenders) - set(CONTENDERS))}")
+    if args.contenders is None:
+        args.contenders = list(CONTENDERS) + ([BASELINE] if args.baseline_tree else [])
+    if set(args.contenders) - set(CONTENDER_CLASSES):
+        p.error(f"unknown contenders: {sorted(set(args.contenders) - set(CONTENDER_CLASSES))}")
     return args
 
 
@@ -631,7 +671,7 @@ def run_rounds(names: list[str], cfg: dict[str, Any], timeout: float) -> tuple[d
     skipped: dict[str, str] = {}
     workers: dict[str, WorkerProcess] = {}
     for name in names:
-        why_not = probe(name)
+        why_not = probe(name, cfg)
         if why_not:
             skipped[name] = why_not
             print(f"[bench_buffer] skipping {name}: {why_not}", file=sys.stderr)
@@ -693,10 +733,11 @@ def main(argv: list[str] | None = None) -> int:
         "eps": args.eps,
         "seed": args.seed,
         "threads": args.threads,
+        "baseline_tree": os.path.abspath(args.baseline_tree) if args.baseline_tree else None,
     }
     if n % args.group:
         sys.exit(f"--rollouts-per-step ({n}) must be a multiple of --group ({args.group})")
-    runnable = [name for name in args.contenders if probe(name) is None]
+    runnable = [name for name in args.contenders if probe(name, cfg) is None]
     if args.capacity:
         cfg["capacity"], why = args.capacity, "set with --capacity"
     else:
