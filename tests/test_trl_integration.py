@@ -273,8 +273,12 @@ def tiny_model_dir(tmp_path_factory):
 
 def hand_loss(trainer, inputs, logps, entropies, advantages, weights):
     """TRL 1.16's GRPO loss written out for one batch, each row's whole per-token contribution (policy
-    term and KL) and its entropy bonus multiplied by that row's weight; normalizers unchanged."""
+    term and KL) and its entropy bonus multiplied by that row's weight; normalizers unchanged. With
+    vLLM's IS correction on, the policy term is times `importance_sampling_ratio` (vespo: its log
+    joins the sequence log-ratio)."""
     a, m = trainer.args, inputs["completion_mask"].float()
+    vllm_ratio = inputs["importance_sampling_ratio"] if trainer.use_vllm and a.vllm_importance_sampling_correction \
+        else None
     gas, w, adv = trainer.current_gradient_accumulation_steps, weights[:, None], advantages[:, None]
     log_ratio = logps - inputs["old_per_token_logps"]
     if a.importance_sampling_level == "sequence":
@@ -288,13 +292,18 @@ def hand_loss(trainer, inputs, logps, entropies, advantages, weights):
         tau = torch.where(adv > 0, a.sapo_temperature_pos, a.sapo_temperature_neg)
         policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     elif a.loss_type == "vespo":
-        log_w = (log_ratio.clamp(-20, 20) * m).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+        log_w = (log_ratio.clamp(-20, 20) * m).sum(-1, keepdim=True)
+        if vllm_ratio is not None:
+            log_w = log_w + vllm_ratio.log().clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
         k = torch.where(adv >= 0, a.vespo_k_pos, a.vespo_k_neg)
         lam = torch.where(adv >= 0, a.vespo_lambda_pos, a.vespo_lambda_neg)
         policy = -(lam + k * log_w - lam * log_w.exp()).exp().detach() * adv * logps
     else:
         clipped = ratio.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
         policy = -torch.min(ratio * adv, clipped * adv)
+    if vllm_ratio is not None and a.loss_type != "vespo":
+        policy = policy * vllm_ratio
     effective = m
     if trainer.top_entropy_quantile < 1.0:  # the policy term and the bonus act on high-entropy tokens only
         effective = m * trainer.get_high_entropy_mask(entropies, m, 1 - trainer.top_entropy_quantile)

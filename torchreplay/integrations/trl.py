@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("torchreplay.integrations.trl needs TRL: pip install 'torchreplay[trl]'") from exc
 
 from torchreplay import Checkpointer, PrioritizedSampler, RolloutBuffer, Sampler, UniformSampler, from_padded
+from torchreplay.integrations import trl_vllm
 from torchreplay.integrations.trl_loss import entropy_coefficient, weight_correction
 
 TESTED_TRL = ((1, 16), (1, 17))  # [low, high): the overridden private methods are TRL 1.16's
@@ -60,9 +61,11 @@ _check_trl_version(trl_version)
 __all__ = ["ReplayGRPOConfig", "ReplayGRPOTrainer", "from_grpo_outputs", "to_grpo_inputs"]
 
 # What `_generate_and_score_completions` may return that replay knows how to carry. Anything else
-# (images, tool masks, vLLM sampling ratios) would be lost on replayed rows, so it is refused.
+# (images, tool masks) would be lost on replayed rows, so it is refused. With use_vllm=True the
+# trainer also carries vLLM's sampling log-probs and IS ratios (trl_vllm.py).
 _KNOWN_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps"}
+_VLLM_KEYS = {trl_vllm.SAMPLING_KEY, trl_vllm.RATIO_KEY}
 logger = logging.getLogger(__name__)
 POINTER_FILE = "replay_buffer.json"
 LOCAL_DIR = "replay_buffer"
@@ -114,10 +117,14 @@ def make_sampler(args: ReplayGRPOConfig) -> Sampler:
 
 
 def from_grpo_outputs(outputs: dict[str, Any], *, group_id: torch.Tensor, policy_version: int,
-                      logprobs: torch.Tensor | None = None) -> dict[str, Any]:
+                      logprobs: torch.Tensor | None = None,
+                      vllm_importance_sampling_mode: str | None = None) -> dict[str, Any]:
     """A batch for `RolloutBuffer.add`/`compose` from `_generate_and_score_completions`' output:
     its padded ids and masks, `advantages` [B], behaviour log-probs (`old_per_token_logps`, or
-    `logprobs` when TRL computed none) and `ref_per_token_logps` when present."""
+    `logprobs` when TRL computed none), `ref_per_token_logps` when present, and vLLM's
+    `sampling_per_token_logps` and `importance_sampling_ratio` when present (the buffer needs
+    `trl_vllm.vllm_fields(...)` declared; the ratio's layout follows
+    `vllm_importance_sampling_mode`, which must then be given)."""
     behaviour = outputs.get("old_per_token_logps") if logprobs is None else logprobs
     if behaviour is None:
         raise ValueError("logprobs: TRL computed no old_per_token_logps; pass the behaviour log-probs")
@@ -131,22 +138,26 @@ def from_grpo_outputs(outputs: dict[str, Any], *, group_id: torch.Tensor, policy
     extra = {}
     if outputs.get("ref_per_token_logps") is not None:
         extra["ref_logprobs"] = outputs["ref_per_token_logps"].detach().float()
+    extra.update(trl_vllm.to_fields(outputs, vllm_importance_sampling_mode))
     return from_padded(outputs["prompt_ids"], outputs["prompt_mask"], outputs["completion_ids"],
                        outputs["completion_mask"], behaviour.detach().float(), advantage=advantages.detach().float(),
                        group_id=group_id, policy_version=policy_version, **extra)
 
 
-def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str, Any]:
+def to_grpo_inputs(batch, device: torch.device | str | None = None, *, masked_is_ratio: float = 1.0) -> dict[str, Any]:
     """TRL's loss inputs from a `ReplayBatch`: the IS weight folded into `advantages` (exact for
-    TRL's policy losses, see the module docstring), `old_per_token_logps` the behaviour log-probs;
-    `replay_weights`, `replay_is_fresh` and `replay_policy_version` ride along (TRL's own loss ignores
-    them; ReplayGRPOTrainer's reads `replay_weights`).
-    `num_items_in_batch` is this process's; a trainer sums it over processes."""
+    TRL's policy losses, see the module docstring), `old_per_token_logps` the behaviour log-probs,
+    and each row's stored vLLM `sampling_per_token_logps` and `importance_sampling_ratio` when the
+    buffer holds them (a token-level ratio is `masked_is_ratio` where `completion_mask` is 0:
+    `trl_vllm.masked_position_ratio`); `replay_weights`, `replay_is_fresh` and
+    `replay_policy_version` ride along (TRL's own loss ignores them; ReplayGRPOTrainer's reads
+    `replay_weights`). `num_items_in_batch` is this process's; a trainer sums it over processes."""
     parts = batch.split(prompt_side="left")
     if parts["completion_ids"].shape[1] == 0:  # every completion masked out: TRL needs one column to slice
         for key in ("completion_ids", "completion_mask", "logprobs", "ref_logprobs"):
             if key in parts:
                 parts[key] = torch.nn.functional.pad(parts[key], (0, 1), value=batch.pad_token_id if key == "completion_ids" else 0)
+        trl_vllm.pad_completion_columns(parts, 1)
     out = {
         "prompt_ids": parts["prompt_ids"].long(),
         "prompt_mask": parts["prompt_mask"],
@@ -161,6 +172,7 @@ def to_grpo_inputs(batch, device: torch.device | str | None = None) -> dict[str,
     }
     if "ref_logprobs" in parts:
         out["ref_per_token_logps"] = parts["ref_logprobs"]
+    out.update(trl_vllm.to_inputs(parts, batch.token_fields, masked_is_ratio))
     return {k: v.to(device) if device is not None else v for k, v in out.items()}
 
 
@@ -219,9 +231,18 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     @classmethod
     def _check_config(cls, args: ReplayGRPOConfig) -> None:
-        if args.use_vllm:
-            raise ValueError("ReplayGRPOTrainer does not support use_vllm=True yet: vLLM's sampling log-probs and "
-                             "IS ratios are not stored for replay")
+        cls._vllm_fields(args)  # an IS mode replay cannot lay out, before TRL starts a vLLM engine
+
+    @staticmethod
+    def _vllm_fields(args: ReplayGRPOConfig) -> dict[str, Any]:
+        return trl_vllm.vllm_fields(args.use_vllm, args.vllm_importance_sampling_correction,
+                                    args.vllm_importance_sampling_mode)
+
+    @property
+    def _masked_is_ratio(self) -> float:
+        a = self.args
+        return trl_vllm.masked_position_ratio(a.vllm_importance_sampling_mode, a.vllm_importance_sampling_clip_min,
+                                              a.vllm_importance_sampling_clip_max)
 
     def _storage(self):
         from torchreplay import TieredStorage
@@ -245,7 +266,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         return RolloutBuffer(
             a.replay_capacity, sampler=make_sampler(a), max_staleness=a.max_staleness, max_reuse=a.max_reuse,
             padding_side="right", pad_token_id=tokenizer.pad_token_id or 0, ref_logprobs=a.beta != 0.0,
-            storage=self._storage(), checkpoint=self._checkpointer(), seed=a.seed + self.accelerator.process_index)
+            extra_fields=self._vllm_fields(a) or None, storage=self._storage(), checkpoint=self._checkpointer(),
+            seed=a.seed + self.accelerator.process_index)
 
     @property
     def _rank(self) -> str:
@@ -263,9 +285,13 @@ class ReplayGRPOTrainer(GRPOTrainer):
         return self._with_replay(outputs)
 
     def _with_replay(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        unknown = {k for k, v in outputs.items() if v is not None} - _KNOWN_KEYS
+        known = _KNOWN_KEYS | _VLLM_KEYS if self.args.use_vllm else _KNOWN_KEYS
+        unknown = {k for k, v in outputs.items() if v is not None} - known
         if unknown:
             raise ValueError(f"ReplayGRPOTrainer cannot replay rollouts with {sorted(unknown)}")
+        if self.args.use_vllm and outputs.get(trl_vllm.SAMPLING_KEY) is None:
+            raise ValueError(f"ReplayGRPOTrainer with use_vllm=True stores each rollout's {trl_vllm.SAMPLING_KEY}, "
+                             "and this generation output has none (a rollout_func that returns logprobs=None?)")
         device = self.accelerator.device
         logprobs = outputs.get("old_per_token_logps")
         if logprobs is None:
@@ -277,22 +303,26 @@ class ReplayGRPOTrainer(GRPOTrainer):
         group_id = self._group_base + torch.div(rows, self.num_generations, rounding_mode="floor")
         self._group_base += -(-world_rows // self.num_generations)
         fresh = from_grpo_outputs(outputs, group_id=group_id, policy_version=self.state.global_step,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs,
+                                  vllm_importance_sampling_mode=self.args.vllm_importance_sampling_mode)
         ratio = self.args.replay_ratio
         n_replay = round(n * ratio / (1 - ratio))
         batch = self.replay_buffer.compose(fresh, n_replay=n_replay, multiple_of=self.args.steps_per_generation)
         batch = self._same_size_on_every_process(batch, n)
-        mixed = to_grpo_inputs(batch, device)
+        mixed = to_grpo_inputs(batch, device, masked_is_ratio=self._masked_is_ratio)
         if self.beta != 0.0 and self.args.sync_ref_model:
             self._refresh_reference_logprobs(mixed)
         if isinstance(self.pad_to_multiple_of, int):  # TRL's own shapes, for backends compiled per shape
-            self._pad_widths(mixed, self.pad_to_multiple_of, batch.pad_token_id)
+            self._pad_widths(mixed, self.pad_to_multiple_of, batch.pad_token_id,
+                             trl_vllm.token_pad_values(self.args.vllm_importance_sampling_mode, self._masked_is_ratio))
         mixed["num_items_in_batch"] = self.accelerator.gather(mixed["num_items_in_batch"].reshape(1)).sum()
         return mixed
 
     @staticmethod
-    def _pad_widths(mixed: dict[str, Any], multiple: int, pad_token_id: int) -> None:
-        """Prompts (left) and completions (right) padded to a multiple of `multiple`, as TRL pads."""
+    def _pad_widths(mixed: dict[str, Any], multiple: int, pad_token_id: int,
+                    token_pads: dict[str, float] | None = None) -> None:
+        """Prompts (left) and completions (right) padded to a multiple of `multiple`, as TRL pads;
+        `token_pads`: more completion-aligned keys, with their padding values."""
         pad = torch.nn.functional.pad
         prompt_extra = -mixed["prompt_ids"].shape[1] % multiple
         completion_extra = -mixed["completion_ids"].shape[1] % multiple
@@ -302,6 +332,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
         for key in ("completion_mask", "old_per_token_logps", "ref_per_token_logps"):
             if key in mixed:
                 mixed[key] = pad(mixed[key], (0, completion_extra))
+        for key, value in (token_pads or {}).items():
+            if key in mixed:
+                mixed[key] = pad(mixed[key], (0, completion_extra), value=value)
 
     # --------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
@@ -432,6 +465,15 @@ class ReplayGRPOTrainer(GRPOTrainer):
         restored = RolloutBuffer.from_checkpoint(
             uri, tag=pointer["tag"], sampler=make_sampler(a) if not isinstance(a.replay_sampler, str) else None,
             storage=self._storage(), checkpoint=self._checkpointer() or False, progress=False)
+        stored, wanted = dict(restored.settings.extra_fields or {}), self._vllm_fields(a)
+        if stored != wanted:  # e.g. saved without vLLM, or with a sequence-level IS mode, resumed otherwise
+            checkpointer = restored.detach_checkpointer()
+            if checkpointer is not None:
+                checkpointer.close(final=False)  # publishes nothing over the store the buffer came from
+            restored.close()
+            raise ValueError(f"{folder}: its replay buffer stores the extra fields {sorted(stored)}, and this config "
+                             f"(use_vllm={a.use_vllm}, vllm_importance_sampling_mode={a.vllm_importance_sampling_mode!r}) "
+                             f"needs {sorted(wanted)}: resume with the config the checkpoint was trained with")
         self.replay_buffer.close()
         self.replay_buffer = restored
         self._group_base = int(pointer["group_base"])
