@@ -247,8 +247,22 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
 
     The result owns its memory: a token field still backed by the caller's storage is copied with
     `copy` (default: clone), a list of rows is joined with `concat` (default: torch.cat), a
-    rollout field is cloned."""
+    rollout field is cloned. Every check runs before anything is returned, in this order (the first
+    problem found is the one reported): field names, each field's form, dtype and shape, the rollout
+    counts, the token lengths, finiteness, value ranges."""
     batch = to_mapping(batch)
+    _check_field_names(batch, fields)
+    n, token, rollout, offsets_by_field = _read_fields(batch, fields, concat or torch.cat)
+    offsets = _shared_offsets(offsets_by_field)
+    _check_finite(fields, token, rollout, offsets)
+    if "reward" not in rollout:
+        rollout["reward"] = torch.full((n,), float("nan"), dtype=torch.float32)
+    _check_ranges(fields, token, rollout, offsets)
+    return _owned_batch(batch, fields, PackedBatch(n=n, offsets=offsets, token=token, rollout=rollout),
+                        copy or torch.clone)
+
+
+def _check_field_names(batch: Mapping[str, Any], fields: Mapping[str, FieldSpec]) -> None:
     unknown = set(batch) - set(fields)
     if unknown:
         raise SchemaError(f"unknown field(s) {sorted(unknown)}; declare extra fields in the buffer's schema")
@@ -256,53 +270,28 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
     if missing:
         raise SchemaError(f"missing required field(s) {missing}")
 
+
+def _read_fields(batch: Mapping[str, Any], fields: Mapping[str, FieldSpec],
+                 concat: Callable[[list[torch.Tensor]], torch.Tensor]
+                 ) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every field present, as tensors in a computable dtype: token fields packed (with each one's
+    offsets), rollout fields [n, ...] on the CPU. Returns n, the rollout count all fields agree on;
+    a single policy_version is broadcast to the n rollouts."""
     n = None
     token: dict[str, torch.Tensor] = {}
     rollout: dict[str, torch.Tensor] = {}
     offsets_by_field: dict[str, torch.Tensor] = {}
-
     for name, spec in fields.items():
         if name not in batch:
             continue
-        value = batch[name]
         if spec.kind == TOKEN:
-            values, offsets = _ragged(name, value, concat or torch.cat)
-            count = offsets.numel() - 1
-            if values.numel() and not _dtype_ok(spec, values.dtype):
-                raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {values.dtype}")
-            values = _computable(name, values, offsets)
-            if tuple(values.shape[1:]) != spec.shape and values.shape[0] > 0:
-                raise SchemaError(
-                    f"field {name!r}: each token row must have shape {spec.shape}, got {tuple(values.shape[1:])}"
-                )
-            if values.shape[0] == 0:
-                values = values.reshape(0, *spec.shape)
-            offsets_by_field[name] = offsets
-            token[name] = values
+            token[name], offsets_by_field[name] = _token_field(name, spec, batch[name], concat)
+            count = offsets_by_field[name].numel() - 1
         else:
-            if name == "policy_version" and isinstance(value, int) and not isinstance(value, bool):
-                if not -(2**63) <= value < 2**63:
-                    raise SchemaError(f"field 'policy_version': {value} does not fit int64")
-                value = torch.tensor([value])  # broadcast below once n is known
-            if not isinstance(value, torch.Tensor):
-                if isinstance(value, (list, tuple)):
-                    try:
-                        value = torch.tensor(value)
-                    except (TypeError, ValueError, RuntimeError) as exc:
-                        raise SchemaError(f"field {name!r}: cannot convert to a tensor ({exc})") from exc
-                else:
-                    raise SchemaError(f"field {name!r}: expected a tensor, got {type(value).__name__}")
-            if value.numel() and not _dtype_ok(spec, value.dtype):
-                raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {value.dtype}")
-            value = _computable(name, value)
-            if value.dim() == 0 and name == "policy_version":
-                value = value.reshape(1)
-            if value.dim() == 0 or tuple(value.shape[1:]) != spec.shape:
-                raise SchemaError(f"field {name!r}: expected shape [n, *{spec.shape}], got {tuple(value.shape)}")
-            count = value.shape[0]
-            rollout[name] = value.detach().cpu()
-        if name == "policy_version" and count == 1 and spec.kind == ROLLOUT:
-            continue  # a single version may apply to the whole batch
+            rollout[name] = _rollout_field(name, spec, batch[name])
+            count = rollout[name].shape[0]
+            if name == "policy_version" and count == 1:
+                continue  # a single version may apply to the whole batch
         if n is None:
             n = count
         elif count != n:
@@ -313,20 +302,70 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
         rollout["policy_version"] = rollout["policy_version"].expand(n).clone()
     elif rollout["policy_version"].shape[0] != n:
         raise SchemaError(f"field 'policy_version': has {rollout['policy_version'].shape[0]} rollouts, others have {n}")
+    return n, token, rollout, offsets_by_field
 
+
+def _token_field(name: str, spec: FieldSpec, value: Any, concat: Callable[[list[torch.Tensor]], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ragged field as (values, offsets), its dtype accepted and each token row of the spec's shape."""
+    values, offsets = _ragged(name, value, concat)
+    if values.numel() and not _dtype_ok(spec, values.dtype):
+        raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {values.dtype}")
+    values = _computable(name, values, offsets)
+    if tuple(values.shape[1:]) != spec.shape and values.shape[0] > 0:
+        raise SchemaError(
+            f"field {name!r}: each token row must have shape {spec.shape}, got {tuple(values.shape[1:])}"
+        )
+    if values.shape[0] == 0:
+        values = values.reshape(0, *spec.shape)
+    return values, offsets
+
+
+def _rollout_field(name: str, spec: FieldSpec, value: Any) -> torch.Tensor:
+    """A per-rollout field as a [n, *spec.shape] CPU tensor; policy_version may be one int or a
+    0-d tensor (n = 1 here, broadcast by the caller)."""
+    if name == "policy_version" and isinstance(value, int) and not isinstance(value, bool):
+        if not -(2**63) <= value < 2**63:
+            raise SchemaError(f"field 'policy_version': {value} does not fit int64")
+        value = torch.tensor([value])
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple)):
+            try:
+                value = torch.tensor(value)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise SchemaError(f"field {name!r}: cannot convert to a tensor ({exc})") from exc
+        else:
+            raise SchemaError(f"field {name!r}: expected a tensor, got {type(value).__name__}")
+    if value.numel() and not _dtype_ok(spec, value.dtype):
+        raise SchemaError(f"field {name!r}: expected {spec.accept} values, got dtype {value.dtype}")
+    value = _computable(name, value)
+    if value.dim() == 0 and name == "policy_version":
+        value = value.reshape(1)
+    if value.dim() == 0 or tuple(value.shape[1:]) != spec.shape:
+        raise SchemaError(f"field {name!r}: expected shape [n, *{spec.shape}], got {tuple(value.shape)}")
+    return value.detach().cpu()
+
+
+def _shared_offsets(offsets_by_field: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The tokens field's offsets, once every token field has the same length per rollout and no
+    rollout is empty."""
     offsets = offsets_by_field["tokens"]
+    lengths = offsets[1:] - offsets[:-1]
     for name, other in offsets_by_field.items():
         if not torch.equal(other, offsets):
-            lengths = offsets[1:] - offsets[:-1]
             other_lengths = other[1:] - other[:-1]
             bad = _first_bad(lengths != other_lengths)
             raise SchemaError(
                 f"field {name!r}, rollout {bad}: length {int(other_lengths[bad])} != tokens length {int(lengths[bad])}"
             )
-    lengths = offsets[1:] - offsets[:-1]
-    if n and bool((lengths == 0).any()):
+    if bool((lengths == 0).any()):
         raise SchemaError(f"field 'tokens', rollout {_first_bad(lengths == 0)}: empty rollout")
+    return offsets
 
+
+def _check_finite(fields: Mapping[str, FieldSpec], token: Mapping[str, torch.Tensor],
+                  rollout: Mapping[str, torch.Tensor], offsets: torch.Tensor) -> None:
+    """No NaN/inf in the advantage, the reward (when given) or a float token field."""
     for name in ("advantage", "reward"):
         if name not in rollout:
             continue
@@ -349,8 +388,13 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
                 row = _first_bad(flat)
                 i = int(torch.searchsorted(offsets, torch.tensor(row), right=True)) - 1
                 raise SchemaError(f"field {name!r}, rollout {i}: contains NaN/inf")
-    if "reward" not in rollout:
-        rollout["reward"] = torch.full((n,), float("nan"), dtype=torch.float32)
+
+
+def _check_ranges(fields: Mapping[str, FieldSpec], token: Mapping[str, torch.Tensor],
+                  rollout: Mapping[str, torch.Tensor], offsets: torch.Tensor) -> None:
+    """Values the schema bounds: policy_version >= 0, prompt_len within its rollout, routing ids
+    within [0, their dtype's max], and every field within its stored dtype's range."""
+    lengths = offsets[1:] - offsets[:-1]
     version = rollout["policy_version"]
     if bool((version < 0).any()):
         i = _first_bad(version < 0)
@@ -375,20 +419,25 @@ def validate_batch(batch: Any, fields: Mapping[str, FieldSpec],
         elif name in rollout:
             _check_fits(name, rollout[name], spec.dtype)
 
-    # The stored batch owns its memory: a tensor still backed by the caller's storage (the packed
-    # form, a rollout field already in the right dtype) is copied once here, so a caller that reuses
-    # or zeroes its tensors after `add` cannot change what was stored.
+
+def _owned_batch(batch: Mapping[str, Any], fields: Mapping[str, FieldSpec], packed: PackedBatch,
+                 copy: Callable[[torch.Tensor], torch.Tensor]) -> PackedBatch:
+    """`packed` in the stored dtypes, contiguous, owning its memory: a tensor still backed by the
+    caller's storage (the packed form, a rollout field already in the right dtype) is copied once
+    here (token fields with `copy`, the rest cloned), so a caller that reuses or zeroes its tensors
+    after `add` cannot change what was stored."""
     borrowed = _storages(batch)
 
     def own(t: torch.Tensor, copier: Callable[[torch.Tensor], torch.Tensor] = torch.clone) -> torch.Tensor:
         return copier(t) if t.numel() and t.untyped_storage().data_ptr() in borrowed else t
 
     for name, spec in fields.items():
-        if name in token:
-            token[name] = own(token[name].to(spec.dtype).contiguous(), copy or torch.clone)
-        elif name in rollout:
-            rollout[name] = own(rollout[name].to(spec.dtype).contiguous())
-    return PackedBatch(n=n, offsets=own(offsets), token=token, rollout=rollout)
+        if name in packed.token:
+            packed.token[name] = own(packed.token[name].to(spec.dtype).contiguous(), copy)
+        elif name in packed.rollout:
+            packed.rollout[name] = own(packed.rollout[name].to(spec.dtype).contiguous())
+    packed.offsets = own(packed.offsets)
+    return packed
 
 
 def _storages(batch: Mapping[str, Any]) -> set[int]:
