@@ -253,6 +253,16 @@ def _job_main(rank: int, world: int, out: dict) -> None:
     if rank == 0:
         one_local.add(make_batch(3, seed=11))
     out["err_local_empty"] = expect_raise(lambda: one_local.sample(2), ValueError)
+
+    # -- a built RolloutBuffer as the shard (buffer=), already holding rollouts ------------------------
+    built = tr.RolloutBuffer(capacity=8, sampler=sampler(), seed=rank)
+    built.add(make_batch(2, seed=20 + rank, advantage=torch.ones(2)))  # equal masses: both ranks own draws
+    wrapped = DistributedRolloutBuffer(mode="global", buffer=built)
+    b = wrapped.sample(4, generator=gen)
+    out["built"] = {"is_shard": wrapped.buffer is built, "owners": sorted(set(b.handles.rank.tolist())),
+                    "served": wrapped.metrics()["dist_served"], "uses": int(built.slots.reuse.sum())}
+    other = tr.RolloutBuffer(capacity=8 + rank, sampler=sampler())
+    out["err_built_differs"] = expect_raise(lambda: DistributedRolloutBuffer(mode="global", buffer=other), ValueError)
     dist.barrier()
 
 
@@ -670,6 +680,11 @@ def test_advance_staleness_reuse_and_global_metrics_agree(main_job):
         assert main_job[r]["advance_version"] == 2
         assert main_job[r]["advance_len"] == 3
         assert main_job[r]["empty_shard_owners"] == [0, 0, 0, 0]
+        # A built shard (buffer=) is the one sampled: its rollouts are served and their uses counted in it.
+        built = main_job[r]["built"]
+        assert built["is_shard"] and built["owners"] == [0, 1] and built["served"] == built["uses"] > 0
+        assert "different" in main_job[r]["err_built_differs"]
+    assert sum(main_job[r]["built"]["served"] for r in range(2)) == 2 * 4
     g = main_job[0]["advance_global"]
     assert g == main_job[1]["advance_global"]
     received = {tuple(p) for r in range(2) for p in main_job[r]["reuse_received"]}
@@ -696,12 +711,26 @@ def test_dead_or_stalled_rank_raises_replay_error_within_the_timeout(tmp_path):
     assert "failed earlier" in res["after_error"]
 
 
-def test_constructor_needs_an_initialized_process_group():
+def test_constructor_needs_an_initialized_process_group(tmp_path):
     import torchreplay as tr
     from torchreplay.distributed import DistributedRolloutBuffer
 
     with pytest.raises(ValueError, match="mode"):
         DistributedRolloutBuffer(mode="everywhere", capacity=4)
+    # The one constructor's own arguments are checked before any collective.
+    shard = tr.RolloutBuffer(capacity=4)
+    with pytest.raises(TypeError, match="buffer must be a RolloutBuffer"):
+        DistributedRolloutBuffer(buffer={"capacity": 4})
+    with pytest.raises(TypeError, match="not both"):
+        DistributedRolloutBuffer(buffer=shard, capacity=4)
+    with pytest.raises(ValueError, match="generation"):
+        DistributedRolloutBuffer(buffer=shard, generation=0)
+    with pytest.raises(ValueError, match="generation"):
+        DistributedRolloutBuffer(buffer=shard, checkpoint_uri=f"file://{tmp_path}/run", generation=-1)
+    listening = tr.RolloutBuffer(capacity=4, checkpoint=tr.Checkpointer(f"file://{tmp_path}/ckpt"))
+    with pytest.raises(TypeError, match="already has a checkpointer"):
+        DistributedRolloutBuffer(buffer=listening)
+    listening.detach_checkpointer().close(final=False)
     if not torch.distributed.is_initialized():
         with pytest.raises(tr.ReplayError, match="init_process_group"):
             DistributedRolloutBuffer(capacity=4)
