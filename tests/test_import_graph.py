@@ -18,7 +18,7 @@ LAYERS = [
                 "torchreplay.assembly", "torchreplay.slots"}),
     ("storage, samplers, schema", {"torchreplay.storage", "torchreplay.samplers", "torchreplay.schema",
                                    "torchreplay.tree", "torchreplay._ops", "torchreplay.errors",
-                                   "torchreplay.boundedjson", "torchreplay.padded"}),
+                                   "torchreplay.boundedjson", "torchreplay.padded", "torchreplay.checks"}),
 ]
 PRIVATE_MODULES = {"_ops", "_C"}  # the compiled extension and its loader: private to the package, shared in it
 
