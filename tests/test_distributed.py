@@ -925,3 +925,27 @@ def test_an_owners_draws_at_positions_keep_every_reuse_budget():
     assert torch.equal(solo.generator.get_state(), state)
     with pytest.raises(TypeError, match="ProportionalSampler"):
         tr.RolloutBuffer(capacity=2, sampler=tr.GroupSampler()).draw_at(torch.tensor([0.5], dtype=torch.float64))
+
+
+def test_shard_row_reads_samplers_through_the_protocol():
+    """The shard table row (`stats.shard_row`): a `ProportionalSampler` gives its mass and beta;
+    a sampler outside the protocol (GroupSampler: no beta, no mass) counts its rollouts with beta
+    0, the protocol's documented default. Fails if shard_row reads `beta` off any sampler
+    (GroupSampler has none: AttributeError) or ignores a proportional sampler's mass."""
+    import torchreplay as tr
+    from rollouts import make_batch
+    from torchreplay.distributed.stats import BETA, COUNT, MIN, OK, SHIFT, TOTAL, VERSION, shard_row
+    from torchreplay.samplers import ProportionalSampler
+
+    assert isinstance(tr.PrioritizedSampler(), ProportionalSampler) and isinstance(tr.PNewestSampler(),
+                                                                                      ProportionalSampler)
+    assert not isinstance(tr.GroupSampler(), ProportionalSampler)
+    per = tr.RolloutBuffer(capacity=4, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.25, eps=0.5))
+    per.add(make_batch(2, version=3, advantage=torch.tensor([1.0, -2.5])))
+    row = shard_row(per, 8, True, 0.5)
+    assert row[COUNT] == 2 and row[TOTAL] == pytest.approx(1.5 + 3.0) and row[MIN] == pytest.approx(1.5)
+    assert row[BETA] == 0.25 and row[OK] == 1 and row[SHIFT] == 0.5 and row[VERSION] == 3
+    grouped = tr.RolloutBuffer(capacity=4, sampler=tr.GroupSampler())
+    grouped.add(make_batch(3))
+    row = shard_row(grouped, 8, False, 0.0)
+    assert row[COUNT] == 3 and row[TOTAL] == 3 and row[MIN] == 1 and row[BETA] == 0 and row[OK] == 0
