@@ -186,6 +186,8 @@ def test_state_dict_round_trip_and_validation(dtype):
         (lambda t: t.update(torch.tensor([1, 2]), torch.tensor([1.0, -2.0])), ValueError, r"priorities\[1\]"),
         (lambda t: t.sample(u=torch.tensor([1])), TypeError, "u must be a floating"),
         (lambda t: t.sample(-3), ValueError, "batch_size"),
+        (lambda t: t.sample(4.0), TypeError, "batch_size must be an int"),  # one int check: checks.check_int
+        (lambda t: t.sample(True), TypeError, "batch_size must be an int"),
         (lambda t: t.sample(), ValueError, "batch_size or u"),
         (lambda t: t[11], IndexError, "out of range"),
     ],

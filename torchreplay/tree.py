@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from torchreplay._ops import ops
+from torchreplay.checks import check_int, is_int
 
 _ARITY = 8
 # The overloads themselves: calling them skips the packet's overload resolution on every call.
@@ -54,10 +55,7 @@ class SegmentTree:
         dtype: torch.dtype = torch.float32,
         validate: bool = True,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int):
-            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        check_int(capacity, "capacity", low=1)
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         self.capacity = capacity
@@ -189,8 +187,7 @@ class SegmentTree:
         if u is None:
             if batch_size is None:
                 raise ValueError("sample needs batch_size or u")
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 0 <= batch_size < 1 << 63:
-                raise ValueError(f"batch_size must be an int in [0, 2**63), got {batch_size!r}")
+            check_int(batch_size, "batch_size", low=0, high=2**63 - 1)
             u = torch.rand(batch_size, dtype=torch.float64, device=self.device, generator=generator)
         else:
             if not isinstance(u, torch.Tensor):
@@ -223,7 +220,7 @@ class SegmentTree:
         return ops.tree_min(self._mins)
 
     def __getitem__(self, indices: Any) -> torch.Tensor:
-        if isinstance(indices, int) and not isinstance(indices, bool):
+        if is_int(indices):
             return ops.tree_get(self._leaves, self._as_indices(torch.tensor([indices], device=self.device)),
                                 self.capacity)[0]
         return ops.tree_get(self._leaves, self._as_indices(indices), self.capacity)
