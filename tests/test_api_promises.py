@@ -250,3 +250,30 @@ def test_context_manager_closes_threads_helper_and_publishes(tmp_path, raises):
     restored = tr.RolloutBuffer.from_checkpoint(f"file://{ckpt}", progress=False)
     assert len(restored) == 12 and restored.version == 5
     restored.close()
+
+
+# ------------------------------------------------------------------ buf.slots is read-only
+def test_slot_table_view_is_read_only_and_current():
+    """docs/api.md: `buf.slots` is a read-only view of the slot table. Writing into what it
+    returns changes nothing in the buffer; it has no mutators and no settable columns; it follows
+    the buffer through adds and a load. Mutation seen failing: `RolloutBuffer.slots` returning
+    the ledger's own (mutable) SlotTable."""
+    buf = tr.RolloutBuffer(8, sampler=tr.UniformSampler(), seed=0)
+    view = buf.slots
+    handles = buf.add(make_batch(3, seed=0))
+    assert view.live.sum() == 3 and view.count == 3 and len(view.free) == 5  # the same view, now current
+    before = buf.state_dict()
+    view.live[:] = False  # a copy: the buffer keeps its three rollouts
+    view.reuse[handles.slot] = 7
+    view.chunk.fill_(-1)
+    assert len(buf) == 3 and bool(buf.slots.live[handles.slot].all()) and int(buf.slots.reuse.sum()) == 0
+    for name in ("live", "advantage", "free", "version"):
+        with pytest.raises(AttributeError):
+            setattr(buf.slots, name, None)
+    for mutator in ("take", "insert", "kill", "restore_rows", "compact"):
+        assert not hasattr(buf.slots, mutator), mutator
+    assert len(buf.sample(3).tokens) == 3
+    other = tr.RolloutBuffer(8, sampler=tr.UniformSampler(), seed=1)
+    other_view = other.slots
+    other.load_state_dict(before)  # the ledger adopts a new table; the view follows it
+    assert torch.equal(other_view.live, before["table"]["live"]) and other_view.count == 3

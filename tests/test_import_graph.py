@@ -15,7 +15,7 @@ LAYERS = [
     ("distributed", {"torchreplay.distributed"}),
     ("checkpoint", {"torchreplay.checkpoint"}),
     ("buffer", {"torchreplay.buffer", "torchreplay.snapshot", "torchreplay.shards", "torchreplay.ledger",
-                "torchreplay.assembly", "torchreplay.slots"}),
+                "torchreplay.assembly", "torchreplay.slots", "torchreplay.config", "torchreplay.persistence"}),
     ("storage, samplers, schema", {"torchreplay.storage", "torchreplay.samplers", "torchreplay.schema",
                                    "torchreplay.tree", "torchreplay._ops", "torchreplay.errors",
                                    "torchreplay.boundedjson", "torchreplay.padded", "torchreplay.checks"}),

@@ -58,10 +58,29 @@ def test_buffer_config_records_current_caps_and_sampler():
     buf = tr.RolloutBuffer(16, sampler=tr.PrioritizedSampler(alpha=0.5, weight_norm="batch_mean"), max_reuse=4)
     buf.max_reuse = 2
     config = buf.config()
-    assert config.max_reuse == 2 and buf.settings.max_reuse == 4
+    assert config.max_reuse == 2
     assert config.sampler == {"type": "PrioritizedSampler",
                               "config": {"alpha": 0.5, "eps": 1e-3, "weight_norm": "batch_mean",
                                          "keep_zero_advantage": False}}
+
+
+def test_settings_and_config_agree_after_a_cap_setter():
+    """`buf.settings` and `buf.config()` are one configuration: a cap setter changes both, and a
+    refused value changes neither (issue 27). Mutation seen failing: the setters changing only the
+    ledger's cap (settings kept the constructor's caps)."""
+    buf = tr.RolloutBuffer(16, max_staleness=5, max_reuse=4, seed=0)
+    buf.add(make_batch(3, seed=0))
+    buf.max_reuse = 2
+    buf.max_staleness = None
+    assert buf.settings == buf.config()
+    assert (buf.settings.max_reuse, buf.settings.max_staleness) == (2, None)
+    assert (buf.max_reuse, buf.max_staleness) == (2, None)
+    for name, bad in (("max_reuse", 0), ("max_staleness", -1), ("max_reuse", True)):
+        with pytest.raises((ValueError, TypeError), match=name):
+            setattr(buf, name, bad)
+    assert buf.settings == buf.config() and (buf.max_reuse, buf.max_staleness) == (2, None)
+    with pytest.raises(AttributeError):
+        buf.settings = buf.config().with_caps(1, 1)  # read-only: the setters are the way to change a cap
 
 
 def test_snapshot_and_from_snapshot_round_trip_exactly():

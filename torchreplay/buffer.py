@@ -12,76 +12,66 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from torchreplay import persistence
 from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, check_device, concat
+from torchreplay.config import BufferConfig
 from torchreplay.errors import StorageError
-from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_cap, check_short, replay_count
+from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_short, replay_count
 from torchreplay.padded import from_padded
 from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
 from torchreplay.shards import ShardKeeper, ShardListener
-from torchreplay.slots import TABLE_FIELDS, SlotTable
-from torchreplay.snapshot import BufferConfig, Persistence
+from torchreplay.slots import TABLE_FIELDS
+from torchreplay.snapshot import BufferSnapshot, ShardSource, checkpoint_reader, live_shards
 from torchreplay.storage import CorruptRows, TieredStorage
 
 __all__ = ["RolloutBuffer", "PendingBatch", "Handles", "ReplayBatch"]
 
 
-class RolloutBuffer(Persistence):
+class RolloutBuffer:
     """Stores rollouts individually and samples them for replay.
 
     Args:
         capacity: number of rollout slots.
         sampler: a `Sampler` (default `PrioritizedSampler()`: p = (|A| + eps) ** alpha, 0 for A = 0).
-        max_staleness: hard cap on a rollout's age (`version - policy_version`): whenever the
-            buffer's version moves (add, compose, advance, load), older rollouts are evicted before
-            anything is sampled. None: no cap.
-        max_reuse: hard cap on how often a rollout is returned (a fresh use in `compose` counts),
-            within one batch and across batches; it is evicted when the cap is reached. None: no cap.
+        max_staleness: hard cap on a rollout's age (`version - policy_version`): whenever the buffer's
+            version moves (add, compose, advance, load), older rollouts are evicted before anything is
+            sampled. None: no cap.
+        max_reuse: hard cap on how often a rollout is returned (a fresh use in `compose` counts), within
+            one batch and across batches; it is evicted when the cap is reached. None: no cap.
         overflow: "evict_oldest" (insertion order) or "raise" when `add` finds no free slot.
         padding_side: "right" or "left" padding of token fields in sampled batches.
         pad_token_id: value of padded `tokens` positions.
         ref_logprobs: store per-token reference log-probs too.
-        routing: (num_experts, layers, top_k) to store MoE routing ids per token (Rollout Routing
-            Replay), in the narrowest integer dtype that holds the expert ids.
+        routing: (num_experts, layers, top_k) to store MoE routing ids per token (Rollout Routing Replay),
+            in the narrowest integer dtype that holds the expert ids.
         extra_fields: user-declared fields, name -> FieldSpec.
         storage: where rollout bytes live (default: hot-only, in host RAM). See TieredStorage.
         checkpoint: a Checkpointer: shards and manifests go to object storage in the background.
-        token_dtype: torch.int64 (default) or torch.int32, the dtype token ids are stored and
-            returned in; int32 halves the bytes of the largest field.
-        seed: seeds the buffer's own generator, used when `sample`/`compose` get none (its state
-            is part of state_dict and checkpoints).
-        on_corrupt: when stored rollouts cannot be read back intact (checksum mismatch, vanished
-            file), they are evicted and counted (`evicted_corrupt`) and never returned; then
-            "raise" raises StorageError from that `sample` call, "skip" redraws the batch.
+        token_dtype: torch.int64 (default) or torch.int32 (half the bytes of the largest field): the
+            dtype token ids are stored and returned in.
+        seed: seeds the buffer's own generator, used when `sample`/`compose` get none (its state is
+            part of state_dict and checkpoints).
+        on_corrupt: when stored rollouts cannot be read back intact (checksum mismatch, vanished file),
+            they are evicted and counted (`evicted_corrupt`) and never returned; then "raise" raises
+            StorageError from that `sample` call, "skip" redraws the batch.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        sampler: Sampler | None = None,
-        max_staleness: int | None = None,
-        max_reuse: int | None = None,
-        overflow: str = "evict_oldest",
-        padding_side: str = "right",
-        pad_token_id: int = 0,
-        ref_logprobs: bool = False,
-        routing: tuple[int, int, int] | None = None,
-        extra_fields: Mapping[str, FieldSpec] | None = None,
-        storage: TieredStorage | None = None,
-        on_corrupt: str = "raise",
-        checkpoint: ShardListener | None = None,
-        seed: int | None = None,
-        token_dtype: torch.dtype = torch.int64,
-    ) -> None:
+    def __init__(self, capacity: int, sampler: Sampler | None = None, max_staleness: int | None = None,
+                 max_reuse: int | None = None, overflow: str = "evict_oldest", padding_side: str = "right",
+                 pad_token_id: int = 0, ref_logprobs: bool = False, routing: tuple[int, int, int] | None = None,
+                 extra_fields: Mapping[str, FieldSpec] | None = None, storage: TieredStorage | None = None,
+                 on_corrupt: str = "raise", checkpoint: ShardListener | None = None, seed: int | None = None,
+                 token_dtype: torch.dtype = torch.int64) -> None:
         if storage is not None and not isinstance(storage, TieredStorage):
             raise TypeError(f"storage must be a TieredStorage, got {type(storage).__name__}")
         sampler = sampler if sampler is not None else PrioritizedSampler()
         if not isinstance(sampler, Sampler):
             raise TypeError(f"sampler must implement the Sampler protocol, got {type(sampler).__name__}")
-        self.settings = BufferConfig(capacity, max_staleness, max_reuse, overflow, padding_side, pad_token_id,
+        self._settings = BufferConfig(capacity, max_staleness, max_reuse, overflow, padding_side, pad_token_id,
                                      ref_logprobs, routing, extra_fields, on_corrupt, token_dtype,
                                      sampler_spec(sampler))
-        self.fields: dict[str, FieldSpec] = self.settings.fields()
+        self.fields: dict[str, FieldSpec] = self._settings.fields()
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
         self.shards = ShardKeeper(storage if storage is not None else TieredStorage())
@@ -91,48 +81,35 @@ class RolloutBuffer(Persistence):
         if checkpoint is not None:
             self.attach_checkpointer(checkpoint)
 
-    # The configuration has one copy, `settings` (frozen); only the caps may change later.
+    # One configuration, `settings` (frozen); only the caps change, through `_set_caps` (which keeps the ledger's in step).
+    settings = property(lambda self: self._settings, doc="The configuration, caps as they are now (`config()`).")
     capacity = property(lambda self: self.settings.capacity)
     overflow = property(lambda self: self.settings.overflow)
     padding_side = property(lambda self: self.settings.padding_side)
     pad_token_id = property(lambda self: self.settings.pad_token_id)
     on_corrupt = property(lambda self: self.settings.on_corrupt)
+    max_staleness = property(lambda self: self._settings.max_staleness,
+                             lambda self, value: self._set_caps(value, self.max_reuse),
+                             doc="The staleness cap (policy versions); may be changed between calls.")
+    max_reuse = property(lambda self: self._settings.max_reuse,
+                         lambda self, value: self._set_caps(self.max_staleness, value),
+                         doc="The reuse cap (times returned); may be changed between calls.")
+    storage = property(lambda self: self.shards.storage)
+    checkpointer = property(lambda self: self.shards.checkpointer,
+                            doc="Where shards and manifests go (None: no checkpoints); see `attach_checkpointer`.")
+    slots = property(lambda self: self.ledger.view,
+                     doc="A read-only view of the slot table (per-slot metadata; columns come back as copies).")
 
     def __len__(self) -> int:
         return self.ledger.slots.count
 
-    @property
-    def max_staleness(self) -> int | None:
-        """The staleness cap (policy versions); may be changed between calls."""
-        return self.ledger.max_staleness
-
-    @max_staleness.setter
-    def max_staleness(self, value: int | None) -> None:
-        self.ledger.max_staleness = check_cap("max_staleness", value)
-        self._release(self.ledger.advance(self.version)[1])  # a tighter cap holds from now on
-
-    @property
-    def max_reuse(self) -> int | None:
-        """The reuse cap (times returned); may be changed between calls."""
-        return self.ledger.max_reuse
-
-    @max_reuse.setter
-    def max_reuse(self, value: int | None) -> None:
-        self._release(self.ledger.set_max_reuse(check_cap("max_reuse", value)))  # a lower cap holds from now on
-
-    @property
-    def storage(self) -> TieredStorage:
-        return self.shards.storage
-
-    @property
-    def checkpointer(self) -> ShardListener | None:
-        """Where shards and manifests go (None: no checkpoints); see `attach_checkpointer`."""
-        return self.shards.checkpointer
-
-    @property
-    def slots(self) -> SlotTable:
-        """The slot table (read-only for callers: per-slot metadata of the live rollouts)."""
-        return self.ledger.slots
+    def _set_caps(self, max_staleness: int | None, max_reuse: int | None) -> None:
+        """New caps (validated before anything changes); a tighter cap evicts what it puts past it at once."""
+        settings = self._settings.with_caps(max_staleness, max_reuse)
+        self._release(self.ledger.set_max_reuse(max_reuse))
+        self.ledger.max_staleness = max_staleness
+        self._settings = settings
+        self._release(self.ledger.advance(self.version)[1])
 
     @property
     def version(self) -> int:
@@ -180,7 +157,7 @@ class RolloutBuffer(Persistence):
             self.shards.release(shard, packed.n)
             raise
         self._release(released)
-        return Handles(slots, self.slots.generation[slots].clone())
+        return Handles(slots, self.ledger.slots.generation[slots].clone())
 
     def advance(self, policy_version: int) -> int:
         """Set the current policy version; evict rollouts older than `max_staleness` versions.
@@ -195,7 +172,7 @@ class RolloutBuffer(Persistence):
         self.shards.tick()
         # Compaction first: it moves rows between shards but changes nothing a caller can see, so
         # an I/O error from it leaves the version where it was.
-        self.shards.compact(self.slots, self._evict_corrupt_quietly)
+        self.shards.compact(self.ledger.slots, self._evict_corrupt_quietly)
         evicted, released = self.ledger.advance(policy_version)
         self._release(released)
         return evicted
@@ -244,7 +221,7 @@ class RolloutBuffer(Persistence):
         if slots.numel() == 0:
             generator.set_state(state)
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
-        plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
+        plan = self.assembler.plan(self.ledger.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
                                    self.version, self.assembler.home_for(device), _reuse)
         with self.storage.reads.deferred() as reads:  # an inline read counts once the call succeeds
             future = self.assembler.start(plan, inline=_inline)
@@ -278,7 +255,7 @@ class RolloutBuffer(Persistence):
         slots = slots.cpu()
         self.ledger.check_uses(slots if count_use else torch.unique(slots))
         n = slots.numel()
-        plan = self.assembler.plan(self.slots, slots, torch.ones(n) if weights is None else weights,
+        plan = self.assembler.plan(self.ledger.slots, slots, torch.ones(n) if weights is None else weights,
                                    torch.zeros(n, dtype=torch.bool), self.version, self.assembler.home_for(device))
         with self.storage.reads.deferred() as reads:
             try:
@@ -352,12 +329,12 @@ class RolloutBuffer(Persistence):
             generator.set_state(state)
             raise
         fresh_batch = self.assembler.materialize(self.assembler.plan(
-            self.slots, handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool), self.version))
+            self.ledger.slots, handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool), self.version))
         out, used, replay_weights = fresh_batch, handles.slot, None
         if replayed is not None:
             # Uses are counted once both parts are read; a replayed slot the insert reused is
             # another rollout now and is not charged.
-            same = self.slots.generation[replayed.handles.slot] == replayed.handles.generation
+            same = self.ledger.slots.generation[replayed.handles.slot] == replayed.handles.generation
             out = concat(fresh_batch, replayed, self.assembler)
             used, replay_weights = torch.cat([handles.slot, replayed.handles.slot[same]]), replayed.weights
         self._record_use(used, out.weights, replay_weights)
@@ -374,7 +351,7 @@ class RolloutBuffer(Persistence):
             slots, weights = self.ledger.draw(count, generator, self.ledger.stale(version), if_short, n_fresh, multiple)
             if slots.numel() == 0:
                 break
-            plan = self.assembler.plan(self.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
+            plan = self.assembler.plan(self.ledger.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
                                        version)
             try:
                 replayed = self.assembler.materialize(plan)
@@ -419,6 +396,68 @@ class RolloutBuffer(Persistence):
         fresh/replay counts, storage figures, checkpoint failures and lag."""
         checkpoints = self.checkpointer.metrics() if self.checkpointer is not None else {}
         return {**self.ledger.metrics(), "bytes": self.storage.total_bytes(), **self.storage.metrics(), **checkpoints}
+
+    # ------------------------------------------------------ persistence (persistence.py, snapshot.py)
+    def config(self) -> BufferConfig:
+        """The configuration with the caps as they are now: `settings` (what checkpoints record)."""
+        return self._settings
+
+    def snapshot(self) -> BufferSnapshot:
+        """This buffer's state without payloads, as a value (what a checkpoint publishes)."""
+        return persistence.snapshot_of(self._settings, self.ledger, self.generator)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource],
+                      sampler: Sampler | None = None, storage: TieredStorage | None = None,
+                      **overrides: Any) -> "RolloutBuffer":
+        """A new buffer holding `snapshot` (shards: id -> ShardSource); `overrides` replace non-layout settings."""
+        return persistence.rebuild(cls, snapshot, shards, sampler, storage, overrides)
+
+    def restore_snapshot(self, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource]) -> None:
+        """Replace this buffer's state by `snapshot` in place, all-or-nothing (`load_state_dict`)."""
+        persistence.restore(snapshot, shards, self._settings, self.ledger, self.shards, self.generator)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
+        return persistence.full_state(self.snapshot(), self.storage)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`. Validates everything before changing anything."""
+        self.restore_snapshot(*persistence.parse_full_state(state, self._settings))
+
+    def checkpoint(self, tag: int | str | None = None, timeout: float | None = None) -> None:
+        """Publish a manifest now (named by `tag`); returns once it is durable (CheckpointError if not)."""
+        persistence.publish(self.checkpointer, tag, timeout)
+
+    @classmethod
+    def from_checkpoint(cls, uri: str, *, endpoint_url: str | None = None, sampler: Sampler | None = None,
+                        storage: TieredStorage | None = None, checkpoint: ShardListener | bool = False,
+                        lazy: bool = False, progress: bool = True, manifest: str | None = None,
+                        tag: int | str | None = None, **kwargs: Any) -> "RolloutBuffer":
+        """A buffer restored from the manifest at `uri` published last, under `tag`, or named `manifest`."""
+        return checkpoint_reader().restore(cls, uri, endpoint_url=endpoint_url, sampler=sampler, storage=storage,
+                                           checkpoint=checkpoint, lazy=lazy, progress=progress,
+                                           manifest_key=manifest, tag=tag, **kwargs)
+
+    def import_checkpoint(self, uri: str, *, endpoint_url: str | None = None, version_offset: int = 0,
+                          reprioritize=None, progress: bool = False, select=None, keep_reuse: bool = False,
+                          tag: int | str | None = None) -> Handles:
+        """Add another run's live rollouts as new ones (nothing there changes); returns their handles."""
+        return checkpoint_reader().import_rollouts(self, uri, endpoint_url=endpoint_url, progress=progress, tag=tag,
+                                                   version_offset=version_offset, reprioritize=reprioritize,
+                                                   select=select, keep_reuse=keep_reuse)
+
+    def carry_reuse(self, handles: Handles, reuse: torch.Tensor) -> None:
+        """Set use counts carried over from another run; rollouts already at max_reuse are evicted."""
+        self._release(self.ledger.carry_reuse(handles.slot, reuse.to(torch.int64)))
+
+    def attach_checkpointer(self, checkpointer: ShardListener, durable: dict[int, str] | None = None) -> None:
+        """Checkpoint through `checkpointer` from now on; `durable`: shard id -> key already stored there."""
+        persistence.attach_checkpointer(self.shards, checkpointer, self, live_shards(self.ledger.slots)[0], durable)
+
+    def detach_checkpointer(self) -> ShardListener | None:
+        """Stop checkpointing; returns the checkpointer (not closed) or None."""
+        return persistence.detach_checkpointer(self.shards)
 
     # ---------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -11,7 +11,9 @@ shard ids and is told which shard rows died, to release them once a call has com
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -20,13 +22,15 @@ from torchreplay.errors import SchemaError
 from torchreplay.samplers import ProportionalSampler, Sampler
 from torchreplay.samplers.base import occurrence_rank
 from torchreplay.schema import check_finite_advantages
-from torchreplay.slots import LIMIT, SlotTable, check_int
+from torchreplay.slots import LIMIT, SlotTable, SlotTableView, TableState, check_int
 
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
 SHORT_POLICIES = ("raise", "truncate")
 MAX_VERSION = LIMIT  # versions lie in [0, 2**62)
 
 Released = list[tuple[int, int]]  # (shard id, rows that died)
+COUNTERS = (*(f"evicted_{r}" for r in EVICTION_REASONS), "stale_handle_updates", "sampled_fresh", "sampled_replay",
+            "added", "sample_calls")
 
 
 def check_cap(name: str, value: int | None) -> int | None:
@@ -78,8 +82,8 @@ class Ledger:
         self.max_staleness = max_staleness
         self.max_reuse = max_reuse
         self.slots = SlotTable(capacity, track_versions=max_staleness is not None)
-        self.counters: dict[str, float] = {f"evicted_{r}": 0 for r in EVICTION_REASONS}
-        self.counters.update(stale_handle_updates=0, sampled_fresh=0, sampled_replay=0, added=0, sample_calls=0)
+        self.view = SlotTableView(lambda: self.slots)  # what callers outside the ledger read
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.sampler.bind(self.slots)
         self.sampler.on_advance(self.slots.version)
         self.last_ess = self.last_replay_weight_mean = math.nan
@@ -340,42 +344,28 @@ class Ledger:
             if replay_weights is not None and replay_weights.numel() else math.nan
 
     # -- state ----------------------------------------------------------------------------------
-    def state(self) -> dict:
-        return {**self.slots.state(), "counters": dict(self.counters), "last_ess": self.last_ess,
-                "last_replay_weight_mean": self.last_replay_weight_mean, "sampler": self.sampler.state_dict()}
+    def state(self) -> "LedgerState":
+        """The ledger as a value (copies): what snapshots and checkpoints record."""
+        return LedgerState(self.slots.state(), MappingProxyType(dict(self.counters)), self.last_ess,
+                           self.last_replay_weight_mean, self.sampler.state_dict())
 
-    def check_state(self, state: Mapping) -> SlotTable:
-        """Validate `state` (from `state()`) without changing anything; returns its table."""
-        table = SlotTable.from_state(self.capacity, self.max_staleness is not None, state)
-        counters = state.get("counters")
-        if not isinstance(counters, Mapping) or set(counters) != set(self.counters):
-            raise ValueError(f"state 'counters' must have the keys {sorted(self.counters)}")
-        for name, value in counters.items():
-            check_int(f"state counter {name!r}", value, 0, LIMIT)
-        # Statistics of the last batch: nan before the first, else a non-negative float.
-        for name in ("last_ess", "last_replay_weight_mean"):
-            value = state.get(name, math.nan)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not ((isinstance(value, float) and math.isnan(value)) or 0 <= value <= LIMIT):
-                raise ValueError(f"state {name!r} must be nan or a number in [0, 2**62], got {value!r}")
-        return table
-
-    def adopt(self, table: SlotTable, state: Mapping) -> SlotTable:
-        """Take `state` (checked by `check_state`, its table given): the sampler's state is loaded
-        into a sampler bound to the new table, or everything is put back. Returns the old table."""
+    def adopt(self, state: "LedgerState", shard_ids: Mapping[int, int] | None = None) -> SlotTable:
+        """Take `state` (its table's live slots naming shards renamed by `shard_ids`): the
+        sampler's state is loaded into a sampler bound to the new table, or everything is put
+        back. Returns the old table."""
+        table = SlotTable.from_state(state.table, self.max_staleness is not None, shard_ids)
         old_table, old_sampler = self.slots, self.sampler.state_dict()
         self.slots = table
         try:
             self.sampler.bind(table)
-            self.sampler.load_state_dict(state["sampler"])
+            self.sampler.load_state_dict(state.sampler)
         except Exception:
             self.slots = old_table
             self.sampler.bind(old_table)
             self.sampler.load_state_dict(old_sampler)
             raise
-        self.counters = dict(state["counters"])
-        self.last_ess = float(state.get("last_ess", math.nan))
-        self.last_replay_weight_mean = float(state.get("last_replay_weight_mean", math.nan))
+        self.counters = dict(state.counters)
+        self.last_ess, self.last_replay_weight_mean = state.last_ess, state.last_replay_weight_mean
         return old_table
 
     # -- metrics --------------------------------------------------------------------------------
@@ -402,3 +392,43 @@ class Ledger:
         out.update(self.counters)
         return out
 
+
+@dataclass(frozen=True)
+class LedgerState:
+    """A ledger as a value: its slot table, counters, the last batch's statistics and the
+    sampler's own state (validated by the sampler when a ledger adopts it). `parse` is the one
+    validator of a ledger read from a state; `Ledger.state()` is consistent by construction."""
+
+    table: TableState
+    counters: Mapping[str, int]
+    last_ess: float
+    last_replay_weight_mean: float
+    sampler: Any
+
+    def to_state(self) -> dict[str, Any]:
+        """The state's keys for the ledger, in the order `state_dict()` and checkpoints record them."""
+        return {**self.table.to_state(), "counters": dict(self.counters), "last_ess": self.last_ess,
+                "last_replay_weight_mean": self.last_replay_weight_mean, "sampler": self.sampler}
+
+    @classmethod
+    def parse(cls, state: Mapping[str, Any], capacity: int) -> "LedgerState":
+        """The ledger of `state` for a buffer of `capacity` slots, checked before anything is built
+        from it (ValueError naming the key)."""
+        table = TableState.parse(state, capacity)
+        counters = state.get("counters")
+        if not isinstance(counters, Mapping) or set(counters) != set(COUNTERS):
+            raise ValueError(f"state 'counters' must have the keys {sorted(COUNTERS)}")
+        for name, value in counters.items():
+            check_int(f"state counter {name!r}", value, 0, LIMIT)
+        # Statistics of the last batch: nan before the first, else a non-negative float.
+        stats = {}
+        for name in ("last_ess", "last_replay_weight_mean"):
+            value = state.get(name, math.nan)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not ((isinstance(value, float) and math.isnan(value)) or 0 <= value <= LIMIT):
+                raise ValueError(f"state {name!r} must be nan or a number in [0, 2**62], got {value!r}")
+            stats[name] = float(value)
+        if "sampler" not in state:
+            raise ValueError("state has no 'sampler' (the sampler's state_dict)")
+        return cls(table, MappingProxyType(dict(counters)), stats["last_ess"], stats["last_replay_weight_mean"],
+                   state["sampler"])

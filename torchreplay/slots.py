@@ -9,8 +9,10 @@ table's queries are pure and its few mutations (`take`, `insert`, `kill`) have e
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Mapping
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -32,6 +34,92 @@ def check_int(what: str, value: object, low: int, high: int) -> int:
     return value
 
 
+# The table's per-slot columns and their dtypes, in the order states record them.
+COLUMNS: Mapping[str, torch.dtype] = MappingProxyType({
+    "live": torch.bool, "generation": torch.int64, "seq": torch.int64, "reuse": torch.int64,
+    "advantage": torch.float32, "reward": torch.float32, "group_id": torch.int64, "policy_version": torch.int64,
+    "prompt_len": torch.int64, "chunk": torch.int64, "row": torch.int64})
+
+
+@dataclass(frozen=True)
+class TableState:
+    """A slot table as a value: its columns (CPU tensors of `capacity`, named as in `COLUMNS`), the
+    version, live count, next sequence number and the free stack (slots popped from the end).
+
+    `parse` is the one validator of a table read from a state (state_dict, checkpoint, import); a
+    live table's `SlotTable.state()` is consistent by construction. A TableState owns its
+    tensors: whoever builds a table from it (`SlotTable.from_state`) copies them."""
+
+    columns: Mapping[str, torch.Tensor]
+    version: int
+    count: int
+    next_seq: int
+    free: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.columns["live"].numel()
+
+    def to_state(self) -> dict[str, Any]:
+        """The state's keys for the table (what `state_dict()` and checkpoints record)."""
+        return {"table": dict(self.columns), "version": self.version, "count": self.count,
+                "next_seq": self.next_seq, "free": self.free}
+
+    def live_shards(self) -> tuple[list[int], list[int]]:
+        """The shards live slots name, ascending, and how many live slots name each."""
+        ids, rows = torch.unique(self.columns["chunk"][self.columns["live"]], return_counts=True)
+        return ids.tolist(), rows.tolist()
+
+    @classmethod
+    def parse(cls, state: Mapping[str, Any], capacity: int) -> "TableState":
+        """The table of `state` (the keys `to_state` writes), checked to be a consistent table of
+        `capacity` slots before anything is built from it; ValueError naming the key otherwise.
+        Nothing of the size the state claims is allocated before its tensors are checked."""
+        table = state.get("table")
+        if not isinstance(table, Mapping):
+            raise ValueError("state 'table' must be a mapping of slot tensors")
+        for name, dtype in COLUMNS.items():
+            value = table.get(name)
+            if not isinstance(value, torch.Tensor) or value.shape != (capacity,) or value.dtype != dtype:
+                raise ValueError(f"state table[{name!r}] must be a {dtype} tensor of shape ({capacity},) "
+                                 f"(the config's {capacity} slots)")
+        # Inclusive ranges, scalars first: the per-slot columns' bounds use them.
+        for name, low, high in (("version", 0, LIMIT - 1), ("count", 0, capacity), ("next_seq", 0, LIMIT)):
+            check_int(f"state {name!r}", state.get(name), low, high)
+        # Columns every slot keeps, live or dead (a dead slot's generation and seq live on).
+        for name, low, high in (("generation", 0, LIMIT), ("seq", -1, state["next_seq"] - 1), ("reuse", 0, LIMIT)):
+            column = table[name]
+            if column.numel() and (int(column.min()) < low or int(column.max()) > high):
+                bad = int(column.min()) if int(column.min()) < low else int(column.max())
+                raise ValueError(f"state table[{name!r}] must lie in [{low}, {high}], got "
+                                 f"{'a negative' if bad < 0 else 'a'} {name} {bad}")
+        live = table["live"]
+        if int(live.sum()) != state["count"]:
+            raise ValueError("state: count disagrees with the live mask")
+        free = state.get("free")
+        if not isinstance(free, torch.Tensor) or free.dtype != torch.int64 or free.dim() != 1:
+            raise ValueError("state 'free' must be a 1-D int64 tensor")
+        if free.numel() and (int(free.min()) < 0 or int(free.max()) >= capacity or bool(live[free].any())):
+            raise ValueError("state 'free' names a slot outside the buffer or a live one")
+        if free.numel() + state["count"] != capacity or torch.unique(free).numel() != free.numel():
+            raise ValueError("state: free slots + live rollouts != capacity")
+        # Values a buffer never holds: accepted, they would break sampling or the caps later.
+        if live.any():
+            if int(table["seq"][live].min()) < 0:
+                raise ValueError("state: a live slot has no sequence number (seq -1)")
+            if int(table["prompt_len"][live].min()) < 0 or int(table["prompt_len"][live].max()) > LIMIT:
+                raise ValueError(f"state table['prompt_len']: a live slot's prompt length is outside [0, {LIMIT}]")
+            if not bool(torch.isfinite(table["advantage"][live]).all()):
+                raise ValueError("state: a live slot has a non-finite advantage")
+            versions = table["policy_version"][live]
+            if int(versions.min()) < 0 or int(versions.max()) > state["version"]:
+                raise ValueError(f"state: a live slot's policy_version is outside [0, version {state['version']}]")
+            if int(table["chunk"][live].min()) < 0 or int(table["row"][live].min()) < 0:
+                raise ValueError("state: a live slot names a negative shard or row")
+        return cls(MappingProxyType({name: table[name] for name in COLUMNS}), state["version"], state["count"],
+                   state["next_seq"], free)
+
+
 class SlotTable:
     """Per-slot metadata (CPU tensors of `capacity`), the free stack and the two eviction orders.
 
@@ -41,8 +129,7 @@ class SlotTable:
     `age` of a live rollout is `version - policy_version` (docs/concepts.md).
     """
 
-    TENSORS = ("live", "generation", "seq", "reuse", "advantage", "reward", "group_id", "policy_version",
-               "prompt_len", "chunk", "row")
+    TENSORS = tuple(COLUMNS)
 
     def __init__(self, capacity: int, track_versions: bool) -> None:
         self.capacity = capacity
@@ -106,9 +193,7 @@ class SlotTable:
 
     def older_than(self, version: int) -> torch.Tensor:
         """Live slots whose policy_version < `version`: O(distinct versions + result)."""
-        if not self.track_versions:
-            self.track_versions = True
-            self.compact()
+        self.track_by_version()
         out = [pairs for v, pairs in self._by_version.items() if v < version]
         if not out:
             return torch.empty(0, dtype=torch.int64)
@@ -190,63 +275,79 @@ class SlotTable:
         """(insertion-order entries, version-index entries), dead ones included: both O(capacity)."""
         return len(self._fifo), self._version_entries
 
-    # -- state ----------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"table": {name: getattr(self, name).clone() for name in self.TENSORS}, "version": self.version,
-                "count": self.count, "next_seq": self.next_seq, "free": torch.tensor(self.free, dtype=torch.int64)}
+    def track_by_version(self) -> None:
+        """Keep the per-version index from now on (a staleness cap needs it)."""
+        if not self.track_versions:
+            self.track_versions = True
+            self.compact()
 
-    def check_state(self, state: Mapping[str, Any]) -> None:
-        """Raise ValueError unless `state` is a consistent table of this capacity."""
-        table = state.get("table")
-        if not isinstance(table, Mapping):
-            raise ValueError("state 'table' must be a mapping")
-        for name in self.TENSORS:
-            ref = getattr(self, name)
-            value = table.get(name)
-            if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
-                raise ValueError(f"state table[{name!r}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}")
-        # Inclusive ranges, scalars first: the per-slot columns' bounds use them.
-        for name, low, high in (("version", 0, LIMIT - 1), ("count", 0, self.capacity), ("next_seq", 0, LIMIT)):
-            check_int(f"state {name!r}", state.get(name), low, high)
-        # Columns every slot keeps, live or dead (a dead slot's generation and seq live on).
-        for name, low, high in (("generation", 0, LIMIT), ("seq", -1, state["next_seq"] - 1), ("reuse", 0, LIMIT)):
-            column = table[name]
-            if column.numel() and (int(column.min()) < low or int(column.max()) > high):
-                bad = int(column.min()) if int(column.min()) < low else int(column.max())
-                raise ValueError(f"state table[{name!r}] must lie in [{low}, {high}], got "
-                                 f"{'a negative' if bad < 0 else 'a'} {name} {bad}")
-        live = table["live"]
-        if int(live.sum()) != state["count"]:
-            raise ValueError("state: count disagrees with the live mask")
-        free = state.get("free")
-        if not isinstance(free, torch.Tensor) or free.dtype != torch.int64 or free.dim() != 1:
-            raise ValueError("state 'free' must be a 1-D int64 tensor")
-        if free.numel() and (int(free.min()) < 0 or int(free.max()) >= self.capacity or bool(live[free].any())):
-            raise ValueError("state 'free' names a slot outside the buffer or a live one")
-        if free.numel() + state["count"] != self.capacity or torch.unique(free).numel() != free.numel():
-            raise ValueError("state: free slots + live rollouts != capacity")
-        # Values a buffer never holds: accepted, they would break sampling or the caps later.
-        if live.any():
-            if int(table["seq"][live].min()) < 0:
-                raise ValueError("state: a live slot has no sequence number (seq -1)")
-            if int(table["prompt_len"][live].min()) < 0 or int(table["prompt_len"][live].max()) > LIMIT:
-                raise ValueError(f"state table['prompt_len']: a live slot's prompt length is outside [0, {LIMIT}]")
-            if not bool(torch.isfinite(table["advantage"][live]).all()):
-                raise ValueError("state: a live slot has a non-finite advantage")
-            versions = table["policy_version"][live]
-            if int(versions.min()) < 0 or int(versions.max()) > state["version"]:
-                raise ValueError(f"state: a live slot's policy_version is outside [0, version {state['version']}]")
-            if int(table["chunk"][live].min()) < 0 or int(table["row"][live].min()) < 0:
-                raise ValueError("state: a live slot names a negative shard or row")
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> TableState:
+        """This table as a value (copies)."""
+        return TableState(MappingProxyType({name: getattr(self, name).clone() for name in self.TENSORS}),
+                          self.version, self.count, self.next_seq, torch.tensor(self.free, dtype=torch.int64))
 
     @classmethod
-    def from_state(cls, capacity: int, track_versions: bool, state: Mapping[str, Any]) -> "SlotTable":
-        out = cls(capacity, track_versions)
-        out.check_state(state)
+    def from_state(cls, state: TableState, track_versions: bool,
+                   shard_ids: Mapping[int, int] | None = None) -> "SlotTable":
+        """A table holding copies of `state`'s columns; `shard_ids` renames the shards live slots
+        name (a restore stores each shard under a new id)."""
+        out = cls(state.capacity, track_versions)
         for name in cls.TENSORS:
-            setattr(out, name, state["table"][name].clone())
-        out.version, out.count, out.next_seq = state["version"], state["count"], state["next_seq"]
-        out.free = state["free"].tolist()
+            setattr(out, name, state.columns[name].clone())
+        out.version, out.count, out.next_seq = state.version, state.count, state.next_seq
+        out.free = state.free.tolist()
         out.chunk[~out.live] = -1
+        if shard_ids is not None:
+            live = out.live_slots()
+            out.chunk[live] = torch.tensor([shard_ids[c] for c in out.chunk[live].tolist()], dtype=torch.int64)
         out.compact()
         return out
+
+
+class SlotTableView:
+    """A read-only view of the slot table a buffer holds now (`RolloutBuffer.slots`): its columns
+    come back as copies, so nothing written into them reaches the buffer, and it has no
+    mutators. `table_of()` returns the current table (a load replaces it)."""
+
+    __slots__ = ("_table_of",)
+    _table_of: Callable[[], SlotTable]
+
+    def __init__(self, table_of: Callable[[], SlotTable]) -> None:
+        object.__setattr__(self, "_table_of", table_of)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in COLUMNS:
+            return getattr(self._table_of(), name).clone()
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"the slot table view is read-only ({name!r})")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(COLUMNS))
+
+    capacity = property(lambda self: self._table_of().capacity)
+    version = property(lambda self: self._table_of().version)
+    current_version = version
+    count = property(lambda self: self._table_of().count)
+    next_seq = property(lambda self: self._table_of().next_seq)
+    free = property(lambda self: tuple(self._table_of().free), doc="The free slots (the next taken last).")
+
+    def live_count(self) -> int:
+        return self._table_of().count
+
+    def live_slots(self) -> torch.Tensor:
+        return self._table_of().live_slots()
+
+    def ages(self, slots: torch.Tensor, version: int | None = None) -> torch.Tensor:
+        return self._table_of().ages(slots, version)
+
+    def oldest(self, k: int) -> torch.Tensor:
+        return self._table_of().oldest(k)
+
+    def order_sizes(self) -> tuple[int, int]:
+        return self._table_of().order_sizes()
+
+    def state(self) -> TableState:
+        return self._table_of().state()

@@ -18,7 +18,7 @@ from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
 from torchreplay.checkpoint.store import MissingObject, ObjectStore, RetriedReads, open_store, with_retries
 from torchreplay.errors import CheckpointError, StorageError
 from torchreplay.shards import ShardListener
-from torchreplay.slots import TABLE_FIELDS, SlotTable
+from torchreplay.slots import TABLE_FIELDS
 from torchreplay.storage import MissingShard, TieredStorage
 from torchreplay.storage import format as fmt
 
@@ -216,8 +216,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
             shutil.rmtree(download_dir, ignore_errors=True)
             raise
     try:
-        buffer = cls.from_snapshot(dataclasses.replace(recorded, config=config), sources, sampler=sampler,
-                                   storage=storage, **kwargs)
+        buffer = cls.from_snapshot(recorded, sources, sampler=sampler, storage=storage, **kwargs)
     except (ValueError, TypeError, KeyError, StorageError) as exc:
         raise CheckpointError(f"checkpoint {uri} failed validation: {exc}") from exc
     finally:
@@ -250,11 +249,9 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     state = load_state(store, manifest)
     try:
         # The same checks as a restore's, before any of the table is used to index anything.
-        recorded = snapshot.BufferSnapshot.from_state(state)
-        SlotTable(recorded.config.capacity, False).check_state(state)
+        table = snapshot.BufferSnapshot.from_state(state).ledger.table.columns
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {uri}: {exc}") from exc
-    table = state["table"]
     if select is not None:
         count = len(manifest["shards"])
         manifest = dict(manifest, shards=[s for i, s in enumerate(manifest["shards"]) if select(i, count)])
@@ -319,11 +316,9 @@ def live_rows_from_version(store: ObjectStore, manifest: dict[str, Any], oldest_
     The state is validated as an import validates it before its table is used."""
     state = load_state(store, manifest)
     try:
-        recorded = snapshot.BufferSnapshot.from_state(state)
-        SlotTable(recorded.config.capacity, False).check_state(state)
+        table = snapshot.BufferSnapshot.from_state(state).ledger.table.columns
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {store.uri}: {exc}") from exc
-    table = state["table"]
     keep = table["live"] & (table["policy_version"] >= oldest_version)
     ids, counts = torch.unique(table["chunk"][keep], return_counts=True)
     fresh = dict(zip(ids.tolist(), counts.tolist()))
