@@ -633,6 +633,10 @@ def test_constructor_validation():
         tr.RolloutBuffer(4, sampler=object())
     with pytest.raises(ValueError, match="alpha"):
         tr.PrioritizedSampler(alpha=-1)
+    with pytest.raises(ValueError, match="per_group must be an int >= 1, got 0"):
+        tr.GroupSampler(per_group=0)
+    with pytest.raises(TypeError, match="per_group must be an int >= 1, got 2.0"):  # checks.check_int
+        tr.GroupSampler(per_group=2.0)
 
 
 @pytest.mark.cuda

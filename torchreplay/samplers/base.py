@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from torchreplay.checks import check_int
 from torchreplay.tree import SegmentTree
 
 
@@ -286,9 +287,7 @@ class TreeSampler:
             raise ValueError(f"sampler config differs: saved {state.get('config')}, this sampler {self.config()}")
         version = state.get("version")
         # A buffer's versions lie in [0, 2**62) (docs/concepts.md); the sampler's is one of them.
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)
-                                    or not 0 <= version < 2**62):
-            raise ValueError(f"sampler state 'version' must be None or an int in [0, 2**62), got {version!r}")
+        check_int(version, "sampler state 'version'", low=0, high=2**62 - 1, allow_none=True, error=ValueError)
         self.tree.load_state_dict(state["tree"])
         self._version = version
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torchreplay.checks import check_int
 from torchreplay.samplers.base import SlotView, TreeSampler, check_weight_norm
 
 
@@ -129,8 +130,7 @@ class FreshnessSampler(PrioritizedSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         t_ref = state.get("t_ref")
-        if isinstance(t_ref, bool) or not isinstance(t_ref, int) or not 0 <= t_ref < 2**62:
-            raise ValueError(f"FreshnessSampler state 't_ref' must be a version, an int in [0, 2**62), got {t_ref!r}")
+        check_int(t_ref, "FreshnessSampler state 't_ref' (a version)", low=0, high=2**62 - 1, error=ValueError)
         self.t_ref = t_ref
 
 
@@ -204,8 +204,7 @@ class GroupSampler:
     `per_group` rollouts uniformly (without replacement) within each group."""
 
     def __init__(self, per_group: int = 4) -> None:
-        if isinstance(per_group, bool) or not isinstance(per_group, int) or per_group < 1:
-            raise ValueError(f"per_group must be an int >= 1, got {per_group!r}")
+        check_int(per_group, "per_group", low=1)
         self.per_group = per_group
         self.slots: SlotView | None = None
         self._members: dict[int, set[int]] = {}
