@@ -268,9 +268,8 @@ class RolloutBuffer:
         return batch if device is None else batch.to(device)
 
     def draw_at(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Proportional samplers: the slots at positions `u` in [0, 1) of the priority mass, their
-        priorities and how many draws past a reuse budget were redrawn with the buffer's own
-        generator (`Ledger.draw_at`). Nothing is read or counted: pass the slots to `gather`."""
+        """`Ledger.draw_at` with the buffer's own generator: (slots, priorities, redrawn) at positions `u`
+        of a proportional sampler's mass, within the reuse budgets. Nothing is read or counted."""
         return self.ledger.draw_at(u, self.generator)
 
     def prefetching(self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
