@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
+from torchreplay.checks import is_int
 from torchreplay.storage.tiered import ranges
 
 SIDES = ("left", "right")
@@ -180,7 +181,7 @@ def from_padded(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
 
 def _widths(widths: Any) -> tuple[int, int]:
     if not (isinstance(widths, tuple) and len(widths) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in widths)):
+            and all(is_int(w) and w >= 0 for w in widths)):
         raise ValueError(f"widths: expected (prompt width, completion width) as two ints >= 0, got {widths!r}")
     return widths
 

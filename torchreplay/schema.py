@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from torchreplay.checks import is_int
 from torchreplay.errors import SchemaError
 
 TOKEN = "token"
@@ -324,7 +325,7 @@ def _token_field(name: str, spec: FieldSpec, value: Any, concat: Callable[[list[
 def _rollout_field(name: str, spec: FieldSpec, value: Any) -> torch.Tensor:
     """A per-rollout field as a [n, *spec.shape] CPU tensor; policy_version may be one int or a
     0-d tensor (n = 1 here, broadcast by the caller)."""
-    if name == "policy_version" and isinstance(value, int) and not isinstance(value, bool):
+    if name == "policy_version" and is_int(value):
         if not -(2**63) <= value < 2**63:
             raise SchemaError(f"field 'policy_version': {value} does not fit int64")
         value = torch.tensor([value])
