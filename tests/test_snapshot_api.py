@@ -100,6 +100,37 @@ def test_snapshot_and_from_snapshot_round_trip_exactly():
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.weights, b.weights)
 
 
+def test_a_state_is_validated_once_into_typed_parts(monkeypatch):
+    """A state is read once (issue 27): `BufferSnapshot.from_state` parses the config, the ledger
+    and the slot table into typed values, and adopting them validates the table no second time.
+    Mutations seen failing: `persistence.restore` re-parsing the table (`TableState.parse` counted
+    twice per load); `BufferSnapshot` accepting a config whose capacity is not its table's."""
+    import dataclasses
+
+    from torchreplay.ledger import LedgerState
+    from torchreplay.slots import TableState
+
+    buf = tr.RolloutBuffer(16, seed=0, max_reuse=3)
+    buf.add(make_batch(5, seed=0))
+    buf.sample(4)
+    state = buf.state_dict()
+    snap = BufferSnapshot.from_state(state)
+    assert isinstance(snap.config, BufferConfig) and isinstance(snap.ledger, LedgerState)
+    assert isinstance(snap.ledger.table, TableState) and snap.ledger.table.count == 5
+    assert snap.shards == buf.snapshot().shards and snap.config == buf.config()
+    parses = []
+    real_parse = TableState.parse.__func__
+    monkeypatch.setattr(TableState, "parse", classmethod(lambda cls, *a: parses.append(1) or real_parse(cls, *a)))
+    twin = tr.RolloutBuffer(16, seed=1, max_reuse=3)
+    twin.load_state_dict(state)
+    assert len(parses) == 1 and twin.state_dict()["table"]["reuse"].sum() == state["table"]["reuse"].sum()
+    with pytest.raises(ValueError, match="slot table has 16 slots"):
+        dataclasses.replace(snap, config=dataclasses.replace(snap.config, capacity=32))
+    bad = dict(state, table=dict(state["table"], reuse=state["table"]["reuse"][:8]))
+    with pytest.raises(ValueError, match="table\\['reuse'\\]"):
+        BufferSnapshot.from_state(bad)
+
+
 def test_from_snapshot_refuses_a_missing_shard_before_building_state():
     buf = tr.RolloutBuffer(16, seed=0)
     buf.add(make_batch(3, seed=0))

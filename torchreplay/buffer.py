@@ -81,8 +81,7 @@ class RolloutBuffer:
         if checkpoint is not None:
             self.attach_checkpointer(checkpoint)
 
-    # One configuration, `settings` (frozen); only the caps change, through `_set_caps` (which keeps the ledger's in step).
-    settings = property(lambda self: self._settings, doc="The configuration, caps as they are now (`config()`).")
+    settings = property(lambda self: self._settings, doc="The configuration, caps as now (`_set_caps` replaces it).")
     capacity = property(lambda self: self.settings.capacity)
     overflow = property(lambda self: self.settings.overflow)
     padding_side = property(lambda self: self.settings.padding_side)
