@@ -4,6 +4,8 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "shard_reader.h"
+
 #ifdef TORCHREPLAY_WITH_CUDA
 #include "cuda/tree_cuda.h"
 #endif
@@ -57,6 +59,9 @@ int64_t cuda_version() {
 #endif
 }
 
+// The shard reader's row layouts and codes by name (csrc/shard_reader.h), for the import-time check.
+std::string shard_reader_layout() { return shard::layout_description(); }
+
 TORCH_LIBRARY(torchreplay, m) {
   m.def("tree_update(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, Tensor indices, Tensor priorities, "
         "int capacity) -> ()");
@@ -74,6 +79,7 @@ TORCH_LIBRARY(torchreplay, m) {
   // Cold-tier reads (csrc/shard_reader.h): pread + page CRC32 + row copies for many shards at once.
   m.def("read_shard_rows(str[] paths, Tensor segments, Tensor rows, Tensor crcs, Tensor(a!)[] dests, "
         "Tensor(b!) page_state, bool direct, int threads) -> Tensor");
+  m.def("shard_reader_layout() -> str", &shard_reader_layout);
   m.def("page_crc32(Tensor data, int page_size) -> Tensor");
   m.def("span_crc32(Tensor data, Tensor spans) -> Tensor");
   m.def("cuda_version() -> int", &cuda_version);

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -82,6 +83,40 @@ static_assert(sizeof(Row) == kRowFields * sizeof(int64_t), "Row mirrors a row of
 static_assert(sizeof(Status) == kStatusFields * sizeof(int64_t), "Status mirrors a row of int64s");
 
 enum PageState : uint8_t { kPageUnread = 0, kPageOk = 1, kPageBad = 2 };
+
+// The names of the fields above in order, and of the codes by value. Python's typed views of these
+// rows (torchreplay/storage/reader_abi.py) are checked against them at import: a field added or
+// moved here without its Python twin is refused then, instead of every row being misread.
+constexpr const char* kSegmentFieldNames[] = {"file",      "block_offset", "block_bytes", "row_bytes", "page_size",
+                                              "crc_begin", "dest",         "row_begin",   "row_end"};
+constexpr const char* kRowFieldNames[] = {"start", "end", "dest"};
+constexpr const char* kStatusFieldNames[] = {"code", "detail", "bytes", "reads"};
+constexpr const char* kCodeNames[] = {"ok", "checksum", "short_read", "open_failed", "read_failed"};
+constexpr const char* kPageStateNames[] = {"unread", "ok", "bad"};
+static_assert(std::size(kSegmentFieldNames) == kSegmentFields, "a name per Segment field");
+static_assert(std::size(kRowFieldNames) == kRowFields, "a name per Row field");
+static_assert(std::size(kStatusFieldNames) == kStatusFields, "a name per Status field");
+static_assert(std::size(kCodeNames) == kReadFailed + 1, "a name per Code, by value");
+static_assert(std::size(kPageStateNames) == kPageBad + 1, "a name per PageState, by value");
+
+// "Segment=file,...;Row=...;Status=...;Code=ok:0,...;PageState=unread:0,...": the op
+// torchreplay::shard_reader_layout returns it.
+inline std::string layout_description() {
+  std::string out;
+  auto add = [&out](const char* kind, const char* const* names, size_t n, bool numbered) {
+    out += out.empty() ? "" : ";";
+    out += std::string(kind) + "=";
+    for (size_t i = 0; i < n; ++i) {
+      out += (i ? "," : "") + std::string(names[i]) + (numbered ? ":" + std::to_string(i) : "");
+    }
+  };
+  add("Segment", kSegmentFieldNames, std::size(kSegmentFieldNames), false);
+  add("Row", kRowFieldNames, std::size(kRowFieldNames), false);
+  add("Status", kStatusFieldNames, std::size(kStatusFieldNames), false);
+  add("Code", kCodeNames, std::size(kCodeNames), true);
+  add("PageState", kPageStateNames, std::size(kPageStateNames), true);
+  return out;
+}
 
 inline int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 

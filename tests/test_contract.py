@@ -479,11 +479,11 @@ class FailingReads(TieredStorage):
 
     fail_next = False
 
-    def fetch_slots(self, *args, **kwargs):
+    def gather(self, *args, **kwargs):
         if self.fail_next:
             self.fail_next = False
             raise StorageError("cannot download shard: connection reset")
-        return super().fetch_slots(*args, **kwargs)
+        return super().gather(*args, **kwargs)
 
 
 def test_a_sample_whose_read_fails_charges_no_use():

@@ -122,7 +122,8 @@ def defined_private_names(tree: ast.AST) -> set[str]:
 def test_no_private_attribute_of_another_module_is_used():
     """`obj._name` is allowed only where this module defines `_name` itself (its own classes'
     internals); torch's own `_C` / `_storage_Use_Count` style APIs are outside the package."""
-    allowed_external = {"_C", "_cdata", "_storage_Use_Count", "_server", "_exit", "_getframe"}
+    allowed_external = {"_C", "_cdata", "_storage_Use_Count", "_server", "_exit", "_getframe",
+                        "_fields"}  # (NamedTuple's public field list)
     # A framework adapter may lean on the framework's internals only where its docstring names them.
     framework_private = {"torchreplay.integrations.trl": {"_get_per_token_logps_and_entropies"},
                          "torchreplay.integrations.trl_loss": {"_last_world_entropy"}}

@@ -174,12 +174,11 @@ def test_storage_fetch_goes_through_the_reader(shard, tmp_path):
     path, header, src = shard
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
     sid = storage.adopt(str(path))
-    s = storage.shard(sid)
     calls = []
     inner = storage.io.read_rows
     storage.io.read_rows = lambda *a: calls.append(a) or inner(*a)
     rows = torch.tensor([12, 3, 3, 30, 0])
-    batch, index = storage.fetch(s, rows, FIELDS)
+    batch, index = storage.fetch(sid, rows, FIELDS)
     assert len(calls) == 1
     for k, r in enumerate(rows.tolist()):
         a, b = int(batch.offsets[index[k]]), int(batch.offsets[index[k] + 1])

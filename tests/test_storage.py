@@ -111,7 +111,7 @@ def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_pat
     buf.advance(4)  # both pinned shards die; their files must outlive the pin
     assert all(os.path.exists(s.path) for s in pinned)
     deleted_before = storage.counters["deleted_shards"]
-    unpinner = threading.Thread(target=storage.unpin_shards, args=(pinned,))
+    unpinner = threading.Thread(target=storage.unpin_shards, args=([s.id for s in pinned],))
     unpinner.start()
     unpinner.join()
     assert not any(os.path.exists(s.path) for s in pinned)  # no trainer call in between

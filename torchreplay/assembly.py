@@ -2,7 +2,9 @@
 
 Both buffers use it: RolloutBuffer for its own draws, DistributedRolloutBuffer for the slots other
 ranks request. It reads only a `Plan` (what the batch holds, snapshotted on the trainer thread)
-and pinned, immutable shards, so it may run on a prefetch thread.
+and pinned, immutable shards, so it may run on a prefetch thread: it asks the storage once per
+batch for a `Gather` (the rows' sources and where each row is in them) inside the `with` block
+that unpins the plan's shards.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from torchreplay._ops import ops
 from torchreplay.padded import split_padded
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch
 from torchreplay.slots import TABLE_FIELDS, SlotTable
-from torchreplay.storage import CorruptRows, TieredStorage
-from torchreplay.storage.tiered import ranges, row_base
+from torchreplay.storage import CorruptRows, Gather, PinnedShards, TieredStorage
+from torchreplay.storage.reads import ranges
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class Plan:
     generation: torch.Tensor
     age: torch.Tensor
     reuse: torch.Tensor
-    shards: list
+    pinned: PinnedShards  # the batch's shards, pinned until materialize is done with them
     fields: list[str]
     reuse_output: bool = False
     device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
@@ -220,28 +222,25 @@ class BatchAssembler:
         """Snapshot what the batch needs and pin its shards (trainer thread). `version` is the one
         the batch's ages are measured against."""
         shard_of = table.chunk[slots]
-        shard_ids = torch.unique(shard_of).tolist()
-        self.storage.pin_shards(shard_ids)
+        pinned = self.storage.pinned(torch.unique(shard_of).tolist())
         fields = [name for name, spec in self.fields.items()
                   if spec.required or name in self.storage.optional_fields]
         return Plan(
             slots=slots.clone(), weights=weights.to(torch.float32), is_fresh=is_fresh, shard_of=shard_of,
             rows=table.row[slots], meta={name: getattr(table, name)[slots].clone() for name in TABLE_FIELDS},
             generation=table.generation[slots].clone(), age=version - table.policy_version[slots],
-            reuse=table.reuse[slots].clone(), shards=[self.storage.shard(s) for s in shard_ids], fields=fields,
+            reuse=table.reuse[slots].clone(), pinned=pinned, fields=fields,
             reuse_output=reuse_output, device=device,
         )
 
     def materialize(self, plan: Plan) -> ReplayBatch:
         """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
-        try:
+        with plan.pinned:
             batch = self._pad(plan)
             if plan.device is not None and plan.device.type == "cuda":
                 plan.ready = torch.cuda.Event()
                 plan.ready.record(torch.cuda.current_stream(plan.device))
             return batch
-        finally:
-            self.storage.unpin_shards(plan.shards)
 
     def materialize_ahead(self, plan: Plan) -> ReplayBatch:
         """`materialize` on the prefetch thread. A CUDA batch is built on a stream of its own: on
@@ -270,19 +269,13 @@ class BatchAssembler:
     def _pad(self, plan: Plan) -> ReplayBatch:
         n = plan.slots.numel()
         token_fields = [f for f in plan.fields if self.fields[f].kind == TOKEN]
-        gather = self.storage.fetch_slots(plan.shards, plan.shard_of, plan.rows, token_fields, plan.device)
-        sources, source, index = gather.sources, gather.source, gather.index
-        # Per row: where its tokens start in its source and how many there are, from the sources'
-        # offsets laid end to end (each source has n + 1 of them).
-        offsets = torch.cat([b.offsets for b in sources]) if sources else torch.zeros(1, dtype=torch.int64)
-        at = row_base(sources, 1)[source] + index
-        starts = offsets[at]
-        lengths = offsets[at + 1] - starts
+        gather = self.storage.gather(plan.pinned, plan.shard_of, plan.rows, token_fields, plan.device)
+        sources, source, starts, lengths = gather.sources, gather.source, gather.starts, gather.lengths
         width = int(lengths.max()) if n else 0
         left = self.padding_side == "left"
         if plan.device is not None:
             data = self._pad_on_device(plan.device, gather, starts, lengths, width, token_fields)
-            return self._finish(plan, sources, source, index, data)
+            return self._finish(plan, gather, data)
         dest = torch.arange(n)
         # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
         valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
@@ -303,14 +296,14 @@ class BatchAssembler:
                 ops.pad_rows(values, source, field_starts, field_lengths, dest, out, left, fill)
             data[name] = out
         data["attention_mask"] = valid
-        return self._finish(plan, sources, source, index, data)
+        return self._finish(plan, gather, data)
 
-    def _finish(self, plan: Plan, sources: list, source: torch.Tensor, index: torch.Tensor,
-                data: dict[str, torch.Tensor]) -> ReplayBatch:
+    def _finish(self, plan: Plan, gather: Gather, data: dict[str, torch.Tensor]) -> ReplayBatch:
         """The padded token fields in `data`, plus rollout-level fields and the plan's bookkeeping."""
         n = plan.slots.numel()
+        sources = gather.sources
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in TABLE_FIELDS]
-        rollout_rows = row_base(sources, 0)[source] + index if extra_rollout else None
+        rollout_rows = gather.rollout_rows() if extra_rollout else None
         for name in extra_rollout:
             spec = self.fields[name]
             columns = [b.rollout.get(name) for b in sources]
@@ -329,7 +322,7 @@ class BatchAssembler:
             pad_token_id=self.pad_token_id,
         )
 
-    def _pad_on_device(self, device: torch.device, gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
+    def _pad_on_device(self, device: torch.device, gather: Gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
                        token_fields: list[str]) -> dict[str, torch.Tensor]:
         """Padded token fields and the mask, on `device`. Rows whose source is on the device (tier
         copies, staged cold reads) are gathered there with index ops; the rest are padded in host

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from torchreplay.checks import is_int
-from torchreplay.storage.tiered import ranges
+from torchreplay.storage.reads import ranges
 
 SIDES = ("left", "right")
 # The layout keys `split_padded` gives back; a field of one of these names would be overwritten.

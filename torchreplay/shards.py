@@ -92,15 +92,12 @@ class ShardKeeper:
         The slots keep their rollouts: nothing a caller can see changes."""
         for shard_id in self.storage.compaction_candidates():
             live = ((slots.chunk == shard_id) & slots.live).nonzero().flatten()
-            shard = self.storage.shard(shard_id)
-            self.storage.pin_shards([shard_id])
             try:
-                batch, index = self.storage.fetch(shard, slots.row[live], list(shard.token_fields))
+                with self.storage.pinned([shard_id]):
+                    batch, index = self.storage.fetch(shard_id, slots.row[live])
             except CorruptRows as exc:
-                self.storage.unpin_shards([shard])
                 on_corrupt(exc)
                 continue
-            self.storage.unpin_shards([shard])
             new_id = self.put(subset(batch, index))
             slots.chunk[live] = new_id
             slots.row[live] = torch.arange(live.numel())

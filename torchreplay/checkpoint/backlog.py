@@ -22,8 +22,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torchreplay.storage import format as fmt
-
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
@@ -33,18 +31,6 @@ def check_limit(max_pending_bytes: Any) -> int:
     if max_pending_bytes < 0:
         raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
     return max_pending_bytes
-
-
-def shard_file_bytes(shard: Any) -> int:
-    """The size of a storage shard's file: exact once its header is known, else an upper bound
-    from its tensors (every block and the header start on a 4 KiB boundary, and the header holds
-    one checksum of at most 12 bytes per 64 KiB page, which data // 4096 covers)."""
-    if shard.header is not None:
-        return int(shard.header.file_bytes)
-    data = shard.token_bytes + shard.offsets.numel() * shard.offsets.element_size()
-    data += sum(t.numel() * t.element_size() for t in shard.rollout.values())
-    blocks = 1 + len(shard.token_fields) + len(shard.rollout)
-    return data + (blocks + 2) * fmt.ALIGN + data // 4096
 
 
 class UploadBacklog:

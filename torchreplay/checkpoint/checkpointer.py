@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchreplay import boundedjson, snapshot
 from torchreplay.checkpoint import tensorfile
-from torchreplay.checkpoint.backlog import DEFAULT_MAX_PENDING_BYTES, UploadBacklog, check_limit, shard_file_bytes
+from torchreplay.checkpoint.backlog import DEFAULT_MAX_PENDING_BYTES, UploadBacklog, check_limit
 from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_key, open_store
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
@@ -77,11 +77,8 @@ def check_tag(tag: Any) -> str:
 
 @dataclass
 class _Upload:
-    shard_id: int
+    shard_id: int  # pinned in storage, unpinned once the worker is done with this upload
     key: str
-    source: Any  # a file path (spilled shard) or a PackedBatch (hot-only storage)
-    spill: Any  # the spill's Future, or None
-    shard: Any  # pinned storage shard, unpinned once the worker is done with this upload
     size: int = 0  # bytes held against max_pending_bytes (0: held by a publish, see backlog.py)
 
 
@@ -254,15 +251,14 @@ class Checkpointer:
         if self._closed:
             return  # nothing uploads any more: pinning the shard would keep it forever
         storage = self.buffer.storage
-        shard = storage.shard(shard_id)
         key = f"shards/{self.session}-{shard_id:010d}.trs"
         with self._keys_lock:
             self._keys[shard_id] = key
-        size = shard_file_bytes(shard)
+        size = storage.shard(shard_id).file_bytes
         if not self._backlog.admit(size):
             return  # no room: it waits, unpinned, for the next publish that names it
         storage.pin_shards([shard_id])  # its file must outlive the upload even if its rollouts die
-        self._queue.put(_upload(shard_id, key, shard, size))
+        self._queue.put(_Upload(shard_id, key, size))
 
     def shard_released(self, shard_id: int) -> None:
         with self._keys_lock:
@@ -300,7 +296,7 @@ class Checkpointer:
         # pinned for this publish, which uploads them.
         owed = [sid for sid, key in keys.items() if key not in self._durable]
         buffer.storage.pin_shards(owed)
-        uploads = [_upload(sid, keys[sid], buffer.storage.shard(sid)) for sid in owed]
+        uploads = [_Upload(sid, keys[sid]) for sid in owed]
         with self._sequence_lock:
             sequence = self._sequence
             if sequence is not None:
@@ -386,9 +382,9 @@ class Checkpointer:
         else:
             log.debug("torchreplay checkpoint still failing: %s", reason)
 
-    def _unpin(self, shards: list[Any]) -> None:
-        if shards:
-            self.buffer.storage.unpin_shards(shards)
+    def _unpin(self, shard_ids: list[int]) -> None:
+        if shard_ids:
+            self.buffer.storage.unpin_shards(shard_ids)
 
     def _upload_all(self, jobs: list[_Upload]) -> None:
         """Upload the queued shards still live (the dead ones are skipped). During an incident, or
@@ -407,42 +403,34 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - counted and retried, never fatal to training
             self._failed(str(exc))
         finally:
-            self._unpin([job.shard for job in jobs])
+            self._unpin([job.shard_id for job in jobs])
             self._backlog.settle(sum(job.size for job in jobs))
 
     def _put_shards(self, jobs: list[_Upload]) -> None:
-        files: list[_Upload] = []
+        files = []
         for job in jobs:
-            if self._ready_file(job):
-                self.buffer.storage.ensure_local(job.shard)  # a lazily restored shard moving elsewhere
-                files.append(job)
+            # Waits for the shard's spill (and downloads a lazily restored file moving elsewhere):
+            # its complete file, or without one its hot copy.
+            export = self.buffer.storage.export_shard(job.shard_id)
+            if export.path is not None:
+                files.append((job.key, export))
             else:
-                self._put_packed(job)
+                self._put_packed(job.key, export.batch)
         if files:
-            self._remote.put_files([(job.key, job.source) for job in files])
-            self._durable.update(job.key for job in files)
-            self._shard_ids.update((job.key, _identity(job.shard.header)) for job in files)
+            self._remote.put_files([(key, export.path) for key, export in files])
+            self._durable.update(key for key, _ in files)
+            self._shard_ids.update((key, _identity(export.header)) for key, export in files)
 
-    def _ready_file(self, job: _Upload) -> bool:
-        """Wait for the shard's spill; True when its file is complete and can go up as a file."""
-        if job.spill is not None:
-            try:
-                job.spill.result()
-            except Exception:  # noqa: BLE001 - the storage reports it; a failed spill keeps its hot copy
-                job.source = job.shard.batch()
-            job.spill = None
-        return isinstance(job.source, str)
-
-    def _put_packed(self, job: _Upload) -> None:
+    def _put_packed(self, key: str, batch: Any) -> None:
         """A shard with no complete file (hot-only storage, or a failed spill): packed here."""
-        header, writes, head = fmt.plan_shard(job.source.offsets, job.source.token, job.source.rollout)
+        header, writes, head = fmt.plan_shard(batch.offsets, batch.token, batch.rollout)
         data = bytearray(header.file_bytes)
         data[: len(head)] = head
         for offset, piece in writes:
             data[offset : offset + len(piece)] = piece
-        self._remote.put(job.key, data)
-        self._durable.add(job.key)
-        self._shard_ids[job.key] = _identity(header)
+        self._remote.put(key, data)
+        self._durable.add(key)
+        self._shard_ids[key] = _identity(header)
 
     def _run_publish(self, job: _Publish) -> None:
         try:
@@ -463,13 +451,13 @@ class Checkpointer:
                             self.published[-1], self.failures)
                 self._incident = None
         finally:
-            self._unpin([up.shard for up in job.uploads])
+            self._unpin([up.shard_id for up in job.uploads])
             job.uploads = []
             job.done.set()
 
     def _supersede(self, job: _Publish) -> None:
         """Drop a background publish: a newer one queued behind it writes a newer state."""
-        self._unpin([up.shard for up in job.uploads])
+        self._unpin([up.shard_id for up in job.uploads])
         job.uploads = []
         self._backlog.count("superseded_publishes")
         job.done.set()
@@ -684,9 +672,3 @@ def validate_manifest(m: Any) -> None:
         total_live += live
     if total_live != m["rollouts"]:
         raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")
-
-
-def _upload(shard_id: int, key: str, shard: Any, size: int = 0) -> _Upload:
-    """An upload of a pinned storage shard, from its file or, without one, its hot copy."""
-    source = shard.path if shard.path is not None else shard.batch()
-    return _Upload(shard_id, key, source, shard.write, shard, size)

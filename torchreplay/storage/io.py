@@ -19,15 +19,17 @@ import torch
 from torchreplay._ops import ops
 from torchreplay.errors import StorageError
 from torchreplay.storage.format import ALIGN, align_up
+from torchreplay.storage.reader_abi import PageState, ReadCode
 
 log = logging.getLogger("torchreplay.storage")
 
 # Large requests are split so several threads (and NVMe queues) work on one shard at a time.
 TASK_BYTES = 4 * 1024 * 1024
 
-# read_rows status codes per segment (csrc/shard_reader.h: Code) and page states (PageState).
-READ_OK, READ_CHECKSUM, READ_SHORT, READ_OPEN, READ_FAILED = 0, 1, 2, 3, 4
-PAGE_UNREAD, PAGE_OK, PAGE_BAD = 0, 1, 2
+# read_rows status codes per segment and page states, by their old names (reader_abi.py holds them,
+# checked against csrc/shard_reader.h at import).
+READ_OK, READ_CHECKSUM, READ_SHORT, READ_OPEN, READ_FAILED = ReadCode
+PAGE_UNREAD, PAGE_OK, PAGE_BAD = PageState
 
 
 def read_shard_rows(paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
@@ -64,13 +66,11 @@ class IOBackend(Protocol):
     def read_rows(self, paths: Sequence[str], segments: torch.Tensor, rows: torch.Tensor, crcs: torch.Tensor,
                   dests: Sequence[torch.Tensor], page_state: torch.Tensor) -> torch.Tensor:
         """Token rows of field blocks in shard files, every page they touch verified, copied into
-        `dests` (host tensors). segments: int64 [S, 9] (file index, block offset, block bytes, row
-        bytes, page size, first checksum index, destination index or -1 to verify only, row range
-        begin, end); rows: int64 [R, 3] (first token row, end, destination row); crcs: every page
-        checksum; page_state: uint8 per checksum, set to PAGE_OK/PAGE_BAD for the pages read.
-        Returns int64 [S, 4]: status code (READ_*), detail (page, bytes got, or errno), bytes
-        read, pread calls. Failures are reported, not raised; an inconsistent request raises
-        ValueError before anything is read."""
+        `dests` (host tensors). segments: int64 [S, 9], one reader_abi.Segment per row; rows:
+        int64 [R, 3], one reader_abi.RowRange per row; crcs: every page checksum; page_state:
+        uint8 per checksum, set to PageState.OK/BAD for the pages read. Returns int64 [S, 4], one
+        reader_abi.ReadStatus per segment. Failures are reported, not raised; an inconsistent
+        request raises ValueError before anything is read."""
 
     def can_stage_on(self, device: torch.device) -> bool:
         """Whether read_spans can read straight into memory on `device`."""
