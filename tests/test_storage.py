@@ -95,7 +95,7 @@ def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_pat
     deletes the file when it unpins, rather than leaving a batch of unlinks to the trainer's next call.
 
     The shards are picked through the public slot table (the ones holding versions 0 and 1), not
-    `storage._shards`. Mutation checked: `unpin_shards` without its `_flush_deletes()` fails."""
+    `storage._shards`. Mutation checked: `unpin_shards` without its `delete_ready()` fails."""
     import threading
 
     storage = TieredStorage(hot_bytes=0, spill_dir=tmp_path, io="posix")
@@ -599,7 +599,7 @@ def test_a_user_written_hot_policy_decides_end_to_end(tmp_path):
     """The storage tells a user's policy object of every shard added, sampled and removed, and
     drops hot copies in its order: 10.4 KB shards under a 26 KB hot budget, so each third shard
     costs one copy, here the newest's (lru would drop shard 1, newest-first shard 0). Mutations
-    seen failing: TieredStorage._enforce_budget walking the shards in id order instead of the
+    seen failing: Tiers._enforce_budget walking the shards in id order instead of the
     policy's drop_order (shard 0 read cold); a policy object replaced by LRUPolicy() (no event
     reaches it)."""
     policy = NewestDroppedFirst()
