@@ -263,6 +263,9 @@ class ReadTimer:
     wall time during which at least one call is in flight, calls, pread requests and bytes read."""
 
     def __init__(self, backend: Any) -> None:
+        from torchreplay.storage.reader_abi import ReadStatus  # the status row's columns, by name
+
+        self.reads_column, self.bytes_column = ReadStatus._fields.index("reads"), ReadStatus._fields.index("bytes")
         self.inner = backend.read_rows
         self.lock = threading.Lock()
         self.active = 0
@@ -289,8 +292,8 @@ class ReadTimer:
                     self.seconds += time.perf_counter() - self.since
                 self.calls += 1
                 if status is not None:
-                    self.ranges += int(status[:, 3].sum())
-                    self.bytes += int(status[:, 2].sum())
+                    self.ranges += int(status[:, self.reads_column].sum())
+                    self.bytes += int(status[:, self.bytes_column].sum())
 
 
 def spill_run(tr: Any, batches: list[dict[str, Any]], adds: int, spill_dir: str, hot_bytes: int, direct: bool,
