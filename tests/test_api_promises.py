@@ -277,3 +277,23 @@ def test_slot_table_view_is_read_only_and_current():
     other_view = other.slots
     other.load_state_dict(before)  # the ledger adopts a new table; the view follows it
     assert torch.equal(other_view.live, before["table"]["live"]) and other_view.count == 3
+
+
+def test_the_slot_table_view_keeps_no_ledger_alive():
+    """`buf.slots` creates no reference cycle: a closed buffer's ledger and sampler (its tree, on
+    CUDA device memory) go with the last reference, not at the next cyclic collection. Mutation
+    seen failing: the ledger holding its view as `SlotTableView(lambda: self.slots)`."""
+    import gc
+    import weakref
+
+    buf = tr.RolloutBuffer(16, seed=0)
+    buf.add(make_batch(3, seed=0))
+    assert int(buf.slots.live.sum()) == 3
+    ledger, sampler = weakref.ref(buf.ledger), weakref.ref(buf.sampler)
+    buf.close()
+    gc.disable()
+    try:
+        del buf
+        assert ledger() is None and sampler() is None
+    finally:
+        gc.enable()

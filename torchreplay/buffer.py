@@ -21,7 +21,7 @@ from torchreplay.padded import from_padded
 from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
 from torchreplay.shards import ShardKeeper, ShardListener
-from torchreplay.slots import TABLE_FIELDS
+from torchreplay.slots import TABLE_FIELDS, SlotTableView
 from torchreplay.snapshot import BufferSnapshot, ShardSource, checkpoint_reader, live_shards
 from torchreplay.storage import CorruptRows, TieredStorage
 
@@ -96,7 +96,7 @@ class RolloutBuffer:
     storage = property(lambda self: self.shards.storage)
     checkpointer = property(lambda self: self.shards.checkpointer,
                             doc="Where shards and manifests go (None: no checkpoints); see `attach_checkpointer`.")
-    slots = property(lambda self: self.ledger.view,
+    slots = property(lambda self: SlotTableView(self.ledger),
                      doc="A read-only view of the slot table (per-slot metadata; columns come back as copies).")
 
     def __len__(self) -> int:

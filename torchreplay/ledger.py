@@ -22,7 +22,7 @@ from torchreplay.errors import SchemaError
 from torchreplay.samplers import ProportionalSampler, Sampler
 from torchreplay.samplers.base import occurrence_rank
 from torchreplay.schema import check_finite_advantages
-from torchreplay.slots import LIMIT, SlotTable, SlotTableView, TableState, check_int
+from torchreplay.slots import LIMIT, SlotTable, TableState, check_int
 
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
 SHORT_POLICIES = ("raise", "truncate")
@@ -82,7 +82,6 @@ class Ledger:
         self.max_staleness = max_staleness
         self.max_reuse = max_reuse
         self.slots = SlotTable(capacity, track_versions=max_staleness is not None)
-        self.view = SlotTableView(lambda: self.slots)  # what callers outside the ledger read
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.sampler.bind(self.slots)
         self.sampler.on_advance(self.slots.version)

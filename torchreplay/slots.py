@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -306,15 +306,19 @@ class SlotTable:
 
 
 class SlotTableView:
-    """A read-only view of the slot table a buffer holds now (`RolloutBuffer.slots`): its columns
-    come back as copies, so nothing written into them reaches the buffer, and it has no
-    mutators. `table_of()` returns the current table (a load replaces it)."""
+    """A read-only view of the slot table `holder.slots` holds now (`RolloutBuffer.slots`, over its
+    Ledger, which replaces its table on a load): columns come back as copies, so nothing written
+    into them reaches the table, and the view has no mutators. It holds the holder, not the
+    table, and the holder does not hold it (no reference cycle keeps a ledger alive)."""
 
-    __slots__ = ("_table_of",)
-    _table_of: Callable[[], SlotTable]
+    __slots__ = ("_holder",)
+    _holder: Any
 
-    def __init__(self, table_of: Callable[[], SlotTable]) -> None:
-        object.__setattr__(self, "_table_of", table_of)
+    def __init__(self, holder: Any) -> None:
+        object.__setattr__(self, "_holder", holder)
+
+    def _table_of(self) -> SlotTable:
+        return self._holder.slots
 
     def __getattr__(self, name: str) -> torch.Tensor:
         if name in COLUMNS:
