@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 
@@ -54,6 +54,18 @@ class ReplayBatch:
     token_fields: tuple[str, ...] = ()  # which `data` entries are per-token (for `split`)
     pad_token_id: int = 0
 
+    # The per-row bookkeeping beside `data` and `handles`: `to` and `concat` treat them alike.
+    BOOKKEEPING: ClassVar[tuple[str, ...]] = ("weights", "age", "reuse", "is_fresh")
+
+    @classmethod
+    def assembled(cls, data: dict[str, torch.Tensor], handles: Handles, *, weights: torch.Tensor,
+                  age: torch.Tensor, reuse: torch.Tensor, is_fresh: torch.Tensor,
+                  token_fields: tuple[str, ...], pad_token_id: int) -> "ReplayBatch":
+        """The one constructor path every batch takes (assembly, `to`, `concat`, a distributed
+        sample), so a new field of the batch is added in one place."""
+        return cls(data=data, handles=handles, weights=weights, age=age, reuse=reuse, is_fresh=is_fresh,
+                   token_fields=token_fields, pad_token_id=pad_token_id)
+
     def __getattr__(self, name: str) -> torch.Tensor:
         data = self.__dict__.get("data", {})
         if name in data:
@@ -85,16 +97,9 @@ class ReplayBatch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        return ReplayBatch(
-            data={k: move(v) for k, v in self.data.items()},
-            handles=self.handles,
-            weights=move(self.weights),
-            age=move(self.age),
-            reuse=move(self.reuse),
-            is_fresh=move(self.is_fresh),
-            token_fields=self.token_fields,
-            pad_token_id=self.pad_token_id,
-        )
+        return ReplayBatch.assembled({k: move(v) for k, v in self.data.items()}, self.handles,
+                                     **{name: move(getattr(self, name)) for name in self.BOOKKEEPING},
+                                     token_fields=self.token_fields, pad_token_id=self.pad_token_id)
 
 
 @dataclass
@@ -311,16 +316,10 @@ class BatchAssembler:
                        for b, c in zip(sources, columns)]
             data[name] = torch.cat(columns)[rollout_rows] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
         data.update(plan.meta)
-        return ReplayBatch(
-            data=data,
-            handles=Handles(plan.slots, plan.generation),
-            weights=plan.weights,
-            age=plan.age,
-            reuse=plan.reuse,
-            is_fresh=plan.is_fresh,
-            token_fields=tuple(f for f in plan.fields if self.fields[f].kind == TOKEN),
-            pad_token_id=self.pad_token_id,
-        )
+        return ReplayBatch.assembled(data, Handles(plan.slots, plan.generation), weights=plan.weights, age=plan.age,
+                                     reuse=plan.reuse, is_fresh=plan.is_fresh,
+                                     token_fields=tuple(f for f in plan.fields if self.fields[f].kind == TOKEN),
+                                     pad_token_id=self.pad_token_id)
 
     def _pad_on_device(self, device: torch.device, gather: Gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
                        token_fields: list[str]) -> dict[str, torch.Tensor]:
@@ -386,17 +385,12 @@ def concat(first: ReplayBatch, second: ReplayBatch, assembler: BatchAssembler) -
             fill = assembler.pad_token_id if name == "tokens" else 0
             a, b = (_pad_to(x, width, fill, assembler.padding_side) for x in (a, b))
         data[name] = torch.cat([a, b])
-    return ReplayBatch(
-        data=data,
-        handles=Handles(torch.cat([first.handles.slot, second.handles.slot]),
-                        torch.cat([first.handles.generation, second.handles.generation])),
-        weights=torch.cat([first.weights, second.weights]),
-        age=torch.cat([first.age, second.age]),
-        reuse=torch.cat([first.reuse, second.reuse]),
-        is_fresh=torch.cat([first.is_fresh, second.is_fresh]),
-        token_fields=first.token_fields or second.token_fields,
-        pad_token_id=assembler.pad_token_id,
-    )
+    handles = Handles(torch.cat([first.handles.slot, second.handles.slot]),
+                      torch.cat([first.handles.generation, second.handles.generation]))
+    columns = {name: torch.cat([getattr(first, name), getattr(second, name)]) for name in ReplayBatch.BOOKKEEPING}
+    return ReplayBatch.assembled(data, handles, **columns,
+                                 token_fields=first.token_fields or second.token_fields,
+                                 pad_token_id=assembler.pad_token_id)
 
 
 def _pad_to(x: torch.Tensor, width: int, fill: int, side: str) -> torch.Tensor:

@@ -441,9 +441,10 @@ class DistributedRolloutBuffer:
         data = self.wire.batch_data(got, got_tokens, restore, self.comm_device, buf.padding_side, buf.pad_token_id)
         weights = buf.sampler.is_weights(got["priority"][restore], float(rows[:, MIN].min()))
         handles = DistributedHandles(got["slot"][restore], got["generation"][restore], owner[order][restore].clone())
-        return ReplayBatch(data=data, handles=handles, weights=weights, age=got["age"][restore],
-                           reuse=got["reuse"][restore], is_fresh=torch.zeros(restore.numel(), dtype=torch.bool),
-                           token_fields=self.wire.token_fields, pad_token_id=buf.pad_token_id)
+        fresh = torch.zeros(restore.numel(), dtype=torch.bool)
+        return ReplayBatch.assembled(data, handles, weights=weights, age=got["age"][restore],
+                                     reuse=got["reuse"][restore], is_fresh=fresh,
+                                     token_fields=self.wire.token_fields, pad_token_id=buf.pad_token_id)
 
     def _serve(self, requests: torch.Tensor
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, BaseException | None]:
