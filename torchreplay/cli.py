@@ -29,14 +29,15 @@ def main(argv: list[str] | None = None) -> int:
 def inspect_checkpoint(uri: str, endpoint_url: str | None = None, tag: str | None = None) -> int:
     import torch
 
-    from torchreplay.checkpoint import open_store, read_manifest
+    from torchreplay.checkpoint.manifest import read_manifest
+    from torchreplay.checkpoint.store import open_reader
     from torchreplay.checkpoint.restore import fetch_shard_metas, load_state
     from torchreplay.errors import CheckpointError
     from torchreplay.slots import TABLE_FIELDS
     from torchreplay.snapshot import BufferConfig
 
     try:
-        store = open_store(uri, endpoint_url)
+        store = open_reader(uri, endpoint_url)  # each read retried for up to 60 s, as a restore's
         manifests = store.list("manifests")
         tags = store.list("tags")
         manifest = read_manifest(store, tag=tag)

@@ -2,7 +2,8 @@
 
 from torchreplay import snapshot
 from torchreplay.checkpoint import restore
-from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest, validate_manifest
+from torchreplay.checkpoint.checkpointer import Checkpointer
+from torchreplay.checkpoint.manifest import read_manifest, validate_manifest
 from torchreplay.checkpoint.store import FileStore, ObjectStore, S3Store, open_store
 
 # RolloutBuffer.from_checkpoint / import_checkpoint read through this package; the buffer itself

@@ -1,17 +1,10 @@
 """Background checkpoints: sealed shards are uploaded as they seal, manifests are published every
 `interval_s`, on `buffer.checkpoint()` and on `close()`.
 
-Layout under the run prefix::
-
-    shards/<session>-<shard id>.trs     shard files (format.py), immutable
-    state/<sequence>.json + .bin        buffer metadata (slot table, sampler, RNG, counters)
-    manifests/<sequence>.json           names the state objects and every shard they need
-    tags/<tag>.json                     {"manifest", "sequence", "policy_version"}: a trainer's checkpoint, by name
-    LATEST                              {"manifest": "manifests/<sequence>.json"}, written last
-
-A manifest is written only after every object it names is durable, manifests are immutable, and
-LATEST (and a tag) is replaced last; a reader follows LATEST or a tag and so never sees a partial
-checkpoint. Shards no retained manifest names are garbage-collected after each publish.
+The layout under the run prefix, keys, tags and manifests are manifest.py's. A manifest is
+written only after every object it names is durable, manifests are immutable, and LATEST (and a
+tag) is replaced last; a reader follows LATEST or a tag and so never sees a partial checkpoint.
+After each publish, what the retention policy no longer keeps is deleted (retention.py plans it).
 
 Failures: a background upload or publish that fails (after its retry budget, or at once for an
 error a retry cannot fix) never stops training. It is counted (`metrics()`), logged once per
@@ -35,7 +28,6 @@ import logging
 import math
 import os
 import queue
-import re
 import threading
 import time
 import uuid
@@ -43,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchreplay import boundedjson, snapshot
-from torchreplay.checkpoint import tensorfile
+from torchreplay.checkpoint import manifest as mf
+from torchreplay.checkpoint import retention, tensorfile
 from torchreplay.checkpoint.backlog import DEFAULT_MAX_PENDING_BYTES, UploadBacklog, check_limit
-from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_key, open_store
+from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_retry_budget, open_store
 from torchreplay.checkpoint.uploader import RemoteStore
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
@@ -54,9 +47,7 @@ if TYPE_CHECKING:
     from torchreplay.buffer import RolloutBuffer
 
 log = logging.getLogger("torchreplay.checkpoint")
-MANIFEST_VERSION = 1
 _COALESCE_S = 0.05  # how long the worker gathers jobs before acting on them
-TAG_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 
 class _SkipCollection(Exception):
@@ -64,15 +55,15 @@ class _SkipCollection(Exception):
     be read): it deletes nothing and tries again after the next publish."""
 
 
-def check_tag(tag: Any) -> str:
-    """A tag as its key-safe string: an int (a trainer step) or a short name."""
-    if isinstance(tag, bool) or not isinstance(tag, (int, str)):
-        raise TypeError(f"tag must be an int (e.g. a trainer step) or a str, got {type(tag).__name__}")
-    text = str(tag)
-    if not TAG_PATTERN.match(text):
-        raise ValueError(f"tag {text!r} must be 1-100 characters of letters, digits, '.', '_', '-' "
-                         f"(not starting with '.')")
-    return text
+def _check_helper_cpus(helper_cpus: list[int] | None) -> None:
+    if helper_cpus is None:
+        return
+    if isinstance(helper_cpus, (str, bytes)) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
+        raise ValueError(f"helper_cpus must be a non-empty list of CPU numbers, got {helper_cpus!r}")
+    # Not this process's own affinity: the trainer may have pinned itself elsewhere on purpose.
+    if max(helper_cpus) >= (os.cpu_count() or 1):
+        raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
 
 
 @dataclass
@@ -131,25 +122,14 @@ class Checkpointer:
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         if not (isinstance(interval_s, (int, float)) and interval_s > 0):
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-        if keep_tags is not None and (isinstance(keep_tags, bool) or not isinstance(keep_tags, int) or keep_tags < 1):
-            raise ValueError(f"keep_tags must be None (keep all) or an int >= 1, got {keep_tags!r}")
+        policy = retention.RetentionPolicy(keep_last, keep_tags)
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
-        if not (isinstance(retry_budget_s, (int, float)) and not isinstance(retry_budget_s, bool)
-                and retry_budget_s >= 0):
-            raise ValueError(f"retry_budget_s must be a number >= 0, got {retry_budget_s!r}")
+        retry_budget_s = check_retry_budget(retry_budget_s)
         if isinstance(multipart_bytes, bool) or not isinstance(multipart_bytes, int) or multipart_bytes < 5 << 20:
             raise ValueError(f"multipart_bytes must be an int >= 5 MiB (S3's smallest part), got {multipart_bytes!r}")
         check_limit(max_pending_bytes)
-        if helper_cpus is not None:
-            if isinstance(helper_cpus, (str, bytes)) or not all(
-                    isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
-                raise ValueError(f"helper_cpus must be a non-empty list of CPU numbers, got {helper_cpus!r}")
-            # Not this process's own affinity: the trainer may have pinned itself elsewhere on purpose.
-            if max(helper_cpus) >= (os.cpu_count() or 1):
-                raise ValueError(f"helper_cpus {sorted(helper_cpus)}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
+        _check_helper_cpus(helper_cpus)
         self.uri = uri
         self.store: ObjectStore = open_store(uri, endpoint_url, multipart_bytes,  # reads from this process
                                              retry_budget_s=retry_budget_s)
@@ -158,8 +138,7 @@ class Checkpointer:
         self._remote = RemoteStore(uri, endpoint_url, retry_budget_s, cpus=sorted(self._helper_cpus),
                                    multipart_bytes=multipart_bytes)  # writes, from the helper
         self.interval_s = float(interval_s)
-        self.keep_last = keep_last
-        self.keep_tags = keep_tags
+        self.retention = policy
         self.on_error = on_error
         self.retry_budget_s = retry_budget_s
         self.session = uuid.uuid4().hex[:12]
@@ -171,7 +150,7 @@ class Checkpointer:
         # the shards uploaded here, and those a resumed job carried over.
         self._shard_ids: dict[str, dict[str, int]] = {}
         self._backlog = UploadBacklog(max_pending_bytes)
-        self._manifest_refs: dict[str, tuple[set[str], set[str]]] = {}  # worker only: manifests are immutable
+        self._manifest_refs: dict[str, mf.ManifestRefs] = {}  # worker only: manifests are immutable
         self._tag_pointers: dict[str, dict[str, Any]] = {}  # worker only: tags/<tag>.json -> its pointer
         self._queue: queue.Queue = queue.Queue()
         # Incident bookkeeping: written by the worker, read by the trainer (plain values under the GIL).
@@ -205,7 +184,7 @@ class Checkpointer:
 
     def _next_sequence(self) -> int | None:
         try:
-            return _after_newest(self.store.list("manifests"))
+            return mf.sequence_after_newest(self.store.list("manifests"))
         except CheckpointError:
             return None
 
@@ -217,7 +196,7 @@ class Checkpointer:
             for sid, key in (known or {}).items():
                 self._keys[sid] = key
                 self._durable.add(key)
-                self._shard_ids[key] = _identity(buffer.storage.shard(sid).header)
+                self._shard_ids[key] = mf.shard_identity(buffer.storage.shard(sid).header)
 
     def check(self) -> None:
         """With on_error="raise", raise CheckpointError once for an open incident."""
@@ -251,7 +230,7 @@ class Checkpointer:
         if self._closed:
             return  # nothing uploads any more: pinning the shard would keep it forever
         storage = self.buffer.storage
-        key = f"shards/{self.session}-{shard_id:010d}.trs"
+        key = mf.shard_key(self.session, shard_id)
         with self._keys_lock:
             self._keys[shard_id] = key
         size = storage.shard(shard_id).file_bytes
@@ -275,7 +254,7 @@ class Checkpointer:
     def publish(self, wait: bool = True, timeout: float | None = None, tag: Any = None) -> None:
         """Snapshot the buffer's metadata and publish a manifest (under `tag`, if given); with
         `wait`, return when it is durable, or raise CheckpointError if this publish failed."""
-        tag = None if tag is None else check_tag(tag)
+        tag = None if tag is None else mf.check_tag(tag)
         if self._closed:
             raise CheckpointError(f"the checkpointer for {self.uri} is closed")
         job = self._enqueue_publish(tag, background=not wait)
@@ -304,7 +283,7 @@ class Checkpointer:
         job = _Publish(sequence, state, keys, dict(zip(live_ids, live_rows)), tag, time.monotonic(), background,
                        uploads)
         self._last_publish = time.monotonic()
-        self.last_manifest = None if sequence is None else f"manifests/{sequence:012d}.json"
+        self.last_manifest = None if sequence is None else mf.manifest_key(sequence)
         self._queue.put(job)
         return job
 
@@ -419,7 +398,7 @@ class Checkpointer:
         if files:
             self._remote.put_files([(key, export.path) for key, export in files])
             self._durable.update(key for key, _ in files)
-            self._shard_ids.update((key, _identity(export.header)) for key, export in files)
+            self._shard_ids.update((key, mf.shard_identity(export.header)) for key, export in files)
 
     def _put_packed(self, key: str, batch: Any) -> None:
         """A shard with no complete file (hot-only storage, or a failed spill): packed here."""
@@ -430,7 +409,7 @@ class Checkpointer:
             data[offset : offset + len(piece)] = piece
         self._remote.put(key, data)
         self._durable.add(key)
-        self._shard_ids[key] = _identity(header)
+        self._shard_ids[key] = mf.shard_identity(header)
 
     def _run_publish(self, job: _Publish) -> None:
         try:
@@ -474,33 +453,22 @@ class Checkpointer:
             raise CheckpointError(f"manifest {job.sequence} names shards that are not durable: {missing[:3]}")
         self._assign_sequence(job)
         text, blob = tensorfile.pack(job.state)
-        name = f"{job.sequence:012d}"
-        state_key, blob_key = f"state/{name}.json", f"state/{name}.bin"
+        state_key, blob_key = mf.state_keys(job.sequence)
         self._remote.put(blob_key, blob)
         self._remote.put(state_key, text)
-        manifest = {
-            "format_version": MANIFEST_VERSION,
-            "sequence": job.sequence,
-            "created_unix_s": time.time(),
-            "session": self.session,
-            "state": {"json": state_key, "blob": blob_key, "json_bytes": len(text), "blob_bytes": len(blob)},
-            # "bytes" and "header_crc32" let a reader refuse a grown or swapped object before
-            # reading past its header.
-            "shards": [{"id": sid, "key": key, "live_rows": job.shard_rows[sid], **self._shard_ids.get(key, {})}
-                       for sid, key in sorted(job.shard_keys.items())],
-            "rollouts": int(job.state["count"]),
-            "policy_version": int(job.state["version"]),
-        }
-        if job.tag is not None:
-            manifest["tag"] = job.tag
-        manifest_key = f"manifests/{name}.json"
+        shards = [{"id": sid, "key": key, "live_rows": job.shard_rows[sid], **self._shard_ids.get(key, {})}
+                  for sid, key in sorted(job.shard_keys.items())]
+        manifest = mf.build_manifest(job.sequence, self.session, (len(text), len(blob)), shards,
+                                     rollouts=int(job.state["count"]), policy_version=int(job.state["version"]),
+                                     tag=job.tag)
+        manifest_key = mf.manifest_key(job.sequence)
         self._remote.put(manifest_key, json.dumps(manifest, separators=(",", ":")).encode())
-        self._manifest_refs[manifest_key] = ({s["key"] for s in manifest["shards"]}, {state_key, blob_key})
+        self._manifest_refs[manifest_key] = mf.manifest_refs(manifest)
         if job.tag is not None:
-            pointer = {"manifest": manifest_key, "sequence": job.sequence, "policy_version": manifest["policy_version"]}
-            self._remote.put(f"tags/{job.tag}.json", json.dumps(pointer).encode())
-            self._tag_pointers[f"tags/{job.tag}.json"] = pointer
-        self._remote.put("LATEST", json.dumps({"manifest": manifest_key}).encode())
+            pointer = mf.tag_pointer(manifest)
+            self._remote.put(mf.tag_key(job.tag), json.dumps(pointer).encode())
+            self._tag_pointers[mf.tag_key(job.tag)] = pointer
+        self._remote.put(mf.LATEST, json.dumps({"manifest": manifest_key}).encode())
         self.published.append(manifest_key)
         self.last_manifest = manifest_key
         # The publish is durable now: a failed clean-up is only logged (the next publish retries it).
@@ -513,162 +481,55 @@ class Checkpointer:
         """A sequence after every manifest in the store, if the trainer thread could not know it."""
         if job.sequence is not None:
             return
-        newest = _after_newest(self._remote.list("manifests"))
+        newest = mf.sequence_after_newest(self._remote.list("manifests"))
         with self._sequence_lock:
             job.sequence = max(newest, self._sequence or 0)
             self._sequence = job.sequence + 1
 
-    def _retained_tags(self) -> tuple[set[str], set[str], list[str]]:
-        """Manifests the retained tags name, manifests any tag names, and the tag objects past
-        `keep_tags` to delete."""
-        for key in self._remote.list("tags"):
-            if key not in self._tag_pointers:
-                try:
-                    data = self._remote.get(key)
-                except CheckpointError as exc:
-                    # Which manifest it names is unknown: deleting anything now might delete that one.
-                    raise _SkipCollection(f"cannot read {key}: {exc}") from exc
-                try:
-                    pointer = json.loads(data)
-                except ValueError:
-                    pointer = None
-                if not isinstance(pointer, dict):
-                    log.warning("torchreplay checkpoint: %s is not a tag pointer; it keeps nothing alive", key)
-                    pointer = {}
-                self._tag_pointers[key] = pointer
-        by_age = sorted(self._tag_pointers.items(), key=lambda item: item[1].get("sequence", -1), reverse=True)
-        keep = by_age if self.keep_tags is None else by_age[: self.keep_tags]
-        drop = [] if self.keep_tags is None else [key for key, p in by_age[self.keep_tags :] if p]
-        tagged = {p.get("manifest") for _, p in by_age if isinstance(p.get("manifest"), str)}
-        for key in drop:
-            del self._tag_pointers[key]
-        return {p.get("manifest") for _, p in keep if isinstance(p.get("manifest"), str)}, tagged, drop
-
-    def _refs(self, manifest_key: str) -> tuple[set[str], set[str]]:
+    def _refs(self, manifest_key: str) -> mf.ManifestRefs:
         """The shard and state keys a retained manifest needs (cached: manifests are immutable)."""
         if manifest_key not in self._manifest_refs:
             try:
                 m = boundedjson.loads(self._remote.get(manifest_key), f"manifest {manifest_key}", CheckpointError)
-                validate_manifest(m)
+                mf.validate_manifest(m)
             except CheckpointError as exc:
                 raise _SkipCollection(f"cannot read retained {manifest_key}: {exc}") from exc
-            self._manifest_refs[manifest_key] = ({s["key"] for s in m["shards"]}, {m["state"]["json"], m["state"]["blob"]})
+            self._manifest_refs[manifest_key] = mf.manifest_refs(m)
         return self._manifest_refs[manifest_key]
 
     def _collect_garbage(self) -> None:
         manifests = self._remote.list("manifests")
-        retained_tagged, tagged, stale_tags = self._retained_tags()
-        # keep_last counts untagged manifests; tagged ones live as long as their tag; the newest
-        # (what LATEST names) always stays.
-        untagged = [key for key in manifests if key not in tagged]
-        keep = set(untagged[-self.keep_last :]) | (retained_tagged & set(manifests)) | set(manifests[-1:])
-        drop = [key for key in manifests if key not in keep]
-        needed: set[str] = set()
-        kept_states: set[str] = set()
-        for key in keep:
-            shard_keys, state_keys = self._refs(key)
-            needed |= shard_keys
-            kept_states |= state_keys
-        # Shards sealed after the newest manifest are not named yet but will be: keep this session's
-        # durable shards that are still live.
+        tags = _read_tag_pointers(self._remote, self._tag_pointers)
+        refs = {key: self._refs(key) for key in retention.retained_manifests(manifests, tags, self.retention)}
+        # Shards sealed after the newest manifest are not named yet but will be: this session's
+        # durable shards that are still live stay.
         with self._keys_lock:
-            needed.update(self._keys.values())
-        stale_shards = [k for k in self._remote.list("shards") if k not in needed]
-        stale_states = [k for k in self._remote.list("state") if k not in kept_states]
-        # Tags first: a tag never names a manifest that is gone.
-        self._remote.delete(stale_tags)
-        self._remote.delete(drop + stale_states + stale_shards)
-        for key in drop:
+            live = set(self._keys.values())
+        listing = retention.Listing(manifests, self._remote.list("shards"), self._remote.list("state"))
+        plan = retention.plan(listing, tags, refs, live, self.retention)
+        self._remote.delete(plan.tags)  # first: a tag never names a manifest that is gone
+        for key in plan.tags:
+            del self._tag_pointers[key]
+        self._remote.delete(plan.manifests + plan.states + plan.shards)
+        for key in plan.manifests:
             self._manifest_refs.pop(key, None)
-        self._durable.difference_update(stale_shards)
-        for key in stale_shards:
+        self._durable.difference_update(plan.shards)
+        for key in plan.shards:
             self._shard_ids.pop(key, None)
 
 
-def _identity(header: fmt.ShardHeader | None) -> dict[str, int]:
-    """What a manifest records of a shard object (docs/storage_format.md): its size and header CRC,
-    where its header is known (a shard restored into hot-only storage before it had one: none)."""
-    if header is None:
-        return {}
-    return {"bytes": header.file_bytes, **({"header_crc32": header.crc32} if header.crc32 is not None else {})}
-
-
-def _after_newest(manifest_keys: list[str]) -> int:
-    """The sequence after the newest of `manifests/<sequence>.json`."""
-    stems = [key.split("/")[-1].split(".")[0] for key in manifest_keys]
-    return max((int(stem) for stem in stems if stem.isdigit()), default=-1) + 1
-
-
-def read_manifest(store: ObjectStore, key: str | None = None, tag: Any = None) -> dict[str, Any]:
-    """The manifest `key`, the one tagged `tag`, or the newest one (following LATEST); validated
-    before anything is allocated or opened."""
-    if key is not None and tag is not None:
-        raise ValueError("pass a manifest key or a tag, not both")
-    if tag is not None:
-        tag_key = f"tags/{check_tag(tag)}.json"
-        if not store.exists(tag_key):
-            raise CheckpointError(f"no checkpoint tagged {str(tag)!r} under {store.uri}")
-        key = _read_pointer(store, tag_key)
-    elif key is None:
-        key = _read_pointer(store, "LATEST")
-    key = check_key(key)
-    if not key.startswith("manifests/"):
-        raise CheckpointError(f"{key!r} is not a manifest key (outside manifests/)")
-    boundedjson.check_size(store.size(key), boundedjson.MAX_DOCUMENT_BYTES, f"manifest {key}", CheckpointError)
-    manifest = boundedjson.loads(store.get(key), f"manifest {key}", CheckpointError)
-    validate_manifest(manifest)
-    return manifest
-
-
-def _read_pointer(store: ObjectStore, key: str) -> str:
-    where = f"{store.uri}/{key}"
-    boundedjson.check_size(store.size(key), boundedjson.MAX_POINTER_BYTES, where, CheckpointError)
-    pointer = boundedjson.loads(store.get(key), where, CheckpointError)
-    if not isinstance(pointer, dict) or not isinstance(pointer.get("manifest"), str):
-        raise CheckpointError(f"{where} does not name a manifest")
-    return pointer["manifest"]
-
-
-def validate_manifest(m: Any) -> None:
-    if not isinstance(m, dict):
-        raise CheckpointError("manifest must be a JSON object")
-    if m.get("format_version") != MANIFEST_VERSION:
-        raise CheckpointError(f"unsupported manifest format_version {m.get('format_version')!r}")
-    for name in ("sequence", "rollouts", "policy_version"):
-        if isinstance(m.get(name), bool) or not isinstance(m.get(name), int) or m[name] < 0:
-            raise CheckpointError(f"manifest field {name!r} must be a non-negative int, got {m.get(name)!r}")
-    state = m.get("state")
-    if not isinstance(state, dict):
-        raise CheckpointError("manifest 'state' must be an object")
-    for name in ("json", "blob"):
-        key = state.get(name)
-        if not isinstance(key, str) or not check_key(key).startswith("state/"):
-            raise CheckpointError(f"manifest state.{name} {key!r} must be a key under state/")
-    for name in ("json_bytes", "blob_bytes"):
-        if isinstance(state.get(name), bool) or not isinstance(state.get(name), int) or not 0 <= state[name] < 1 << 40:
-            raise CheckpointError(f"manifest state.{name} must be a size in bytes, got {state.get(name)!r}")
-    shards = m.get("shards")
-    if not isinstance(shards, list):
-        raise CheckpointError("manifest 'shards' must be a list")
-    seen: set[int] = set()
-    total_live = 0
-    for s in shards:
-        if not isinstance(s, dict):
-            raise CheckpointError("manifest shard entries must be objects")
-        sid, key, live = s.get("id"), s.get("key"), s.get("live_rows")
-        if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0 or sid in seen:
-            raise CheckpointError(f"manifest shard id {sid!r} is invalid or repeated")
-        seen.add(sid)
-        if not isinstance(key, str) or not check_key(key).startswith("shards/") or not key.endswith(".trs"):
-            raise CheckpointError(f"manifest shard key {key!r} must be shards/<name>.trs inside the prefix")
-        if isinstance(live, bool) or not isinstance(live, int) or live < 1:
-            raise CheckpointError(f"manifest shard {sid}: live_rows must be >= 1, got {live!r}")
-        size = s.get("bytes", 0)
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
-            raise CheckpointError(f"manifest shard {sid}: bytes must be a size, got {size!r}")
-        crc = s.get("header_crc32", 0)
-        if isinstance(crc, bool) or not isinstance(crc, int) or not 0 <= crc < 1 << 32:
-            raise CheckpointError(f"manifest shard {sid}: header_crc32 must be a CRC32 (a u32), got {crc!r}")
-        total_live += live
-    if total_live != m["rollouts"]:
-        raise CheckpointError(f"manifest: shards hold {total_live} live rollouts, manifest says {m['rollouts']}")
+def _read_tag_pointers(remote: RemoteStore, known: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every tag object's pointer ({} for one that is not a pointer); `known` caches them (a
+    tag's object is replaced only by this writer, which updates the cache)."""
+    for key in remote.list("tags"):
+        if key not in known:
+            try:
+                data = remote.get(key)
+            except CheckpointError as exc:
+                # Which manifest it names is unknown: deleting anything now might delete that one.
+                raise _SkipCollection(f"cannot read {key}: {exc}") from exc
+            pointer = mf.parse_tag_pointer(data)
+            if pointer is None:
+                log.warning("torchreplay checkpoint: %s is not a tag pointer; it keeps nothing alive", key)
+            known[key] = pointer or {}
+    return dict(known)

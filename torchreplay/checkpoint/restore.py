@@ -14,7 +14,8 @@ import torch
 from torchreplay import boundedjson, samplers, snapshot
 from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
-from torchreplay.checkpoint.checkpointer import Checkpointer, read_manifest
+from torchreplay.checkpoint.checkpointer import Checkpointer
+from torchreplay.checkpoint.manifest import read_manifest
 from torchreplay.checkpoint.store import MissingObject, ObjectStore, RetriedReads, open_store, with_retries
 from torchreplay.errors import CheckpointError, StorageError
 from torchreplay.shards import ShardListener

@@ -390,13 +390,32 @@ def open_store(uri: str, endpoint_url: str | None = None, multipart_bytes: int =
     raise ValueError(f"checkpoint uri must start with s3:// or file://, got {uri!r}")
 
 
+def check_retry_budget(retry_budget_s: object) -> float:
+    """`retry_budget_s` as seconds: a number >= 0 (inf: retry for as long as it takes)."""
+    if isinstance(retry_budget_s, bool) or not isinstance(retry_budget_s, (int, float)):
+        raise TypeError(f"retry_budget_s must be a number of seconds >= 0, got {type(retry_budget_s).__name__}")
+    if not retry_budget_s >= 0:  # NaN too
+        raise ValueError(f"retry_budget_s must be a number >= 0, got {retry_budget_s!r}")
+    return float(retry_budget_s)
+
+
+def open_reader(uri: str, endpoint_url: str | None = None, retry_budget_s: float = 60.0) -> "RetriedReads":
+    """The store at `uri` for reading a checkpoint back, with its one retry layer: each read may
+    keep failing transiently for `retry_budget_s` seconds before it raises (an S3 request's own
+    attempts and timeouts are sized from the same budget, inside it). Callers do not retry again."""
+    budget = check_retry_budget(retry_budget_s)
+    return RetriedReads(open_store(uri, endpoint_url, retry_budget_s=budget), budget)
+
+
 class RetriedReads:
     """A store whose reads are retried (transient errors, within `budget_s` each), for restores:
     one dropped connection must not fail a resume. Only the I/O is retried, never a validation
-    of what was read, so a hostile object is still refused at once."""
+    of what was read, so a hostile object is still refused at once. The one retry layer of a
+    restore (open_reader): what reads through it does not wrap it in `with_retries` again, which
+    would multiply the budget."""
 
     def __init__(self, store: ObjectStore, budget_s: float = 60.0) -> None:
-        self.store, self.budget_s, self.uri = store, budget_s, store.uri
+        self.store, self.budget_s, self.uri = store, check_retry_budget(budget_s), store.uri
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         return with_retries(fn, self.budget_s, what)
