@@ -76,6 +76,9 @@ TORCH_LIBRARY(torchreplay, m) {
   m.def("tree_rebuild(Tensor(a!) leaves, Tensor(b!) sums, Tensor(c!) mins, int capacity) -> ()");
   m.def("pad_rows(Tensor[] values, Tensor source, Tensor starts, Tensor lengths, Tensor dest, Tensor(a!) out, "
         "bool left, Scalar? fill=None) -> ()");
+  // Packed (varlen) batches: row k of values[source[k]] to out[offsets[k] : offsets[k] + lengths[k]].
+  m.def("pack_rows(Tensor[] values, Tensor source, Tensor starts, Tensor lengths, Tensor offsets, Tensor(a!) out) "
+        "-> ()");
   // Cold-tier reads (csrc/shard_reader.h): pread + page CRC32 + row copies for many shards at once.
   m.def("read_shard_rows(str[] paths, Tensor segments, Tensor rows, Tensor crcs, Tensor(a!)[] dests, "
         "Tensor(b!) page_state, bool direct, int threads) -> Tensor");

@@ -207,6 +207,11 @@ def _(leaves, sums, mins, capacity):
 def _(values, source, starts, lengths, dest, out, left, fill=None):
     return None
 
+
+@torch.library.register_fake("torchreplay::pack_rows")
+def _(values, source, starts, lengths, offsets, out):
+    return None
+
 @torch.library.register_fake("torchreplay::read_shard_rows")
 def _(paths, segments, rows, crcs, dests, page_state, direct, threads):
     return segments.new_empty((segments.shape[0], 4), dtype=torch.int64)
