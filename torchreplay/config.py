@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
+from torchreplay.checks import check_int, is_int
 from torchreplay.ledger import check_cap
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, default_fields
 from torchreplay.storage.format import DTYPE_NAMES, DTYPES
@@ -39,16 +40,14 @@ class BufferConfig:
     sampler: Mapping[str, Any] | None = None  # {"type", "config"} (samplers.sampler_spec), None if unknown
 
     def __post_init__(self) -> None:
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {self.capacity!r}")
+        check_int(self.capacity, "capacity", low=1, error=ValueError)
         check_cap("max_staleness", self.max_staleness)
         check_cap("max_reuse", self.max_reuse)
         for name, allowed in (("overflow", ("evict_oldest", "raise")), ("on_corrupt", ("raise", "skip")),
                               ("padding_side", ("left", "right"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
-            raise TypeError(f"pad_token_id must be an int, got {self.pad_token_id!r}")
+        check_int(self.pad_token_id, "pad_token_id")
         if self.token_dtype in (torch.int32, torch.int64):
             info = torch.iinfo(self.token_dtype)
             if not info.min <= self.pad_token_id <= info.max:
@@ -58,7 +57,7 @@ class BufferConfig:
         # Copies of the caller's containers: changing them later must not change this buffer.
         if self.routing is not None:
             routing = tuple(self.routing)
-            if len(routing) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in routing):
+            if len(routing) != 3 or not all(is_int(v) for v in routing):
                 raise ValueError(f"routing must be (num_experts, layers, top_k) ints, got {self.routing!r}")
             object.__setattr__(self, "routing", routing)
         if self.extra_fields is not None:
@@ -145,7 +144,7 @@ def field_from_json(name: str, spec: Any) -> FieldSpec:
     if not isinstance(spec, Mapping) or spec.get("dtype") not in DTYPES or spec.get("kind") not in (TOKEN, ROLLOUT):
         raise ValueError(f"buffer config extra field {name!r}: malformed spec {spec!r}")
     shape = spec.get("shape", [])
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 1 for d in shape):
         raise ValueError(f"buffer config extra field {name!r}: shape must be a list of ints >= 1, got {shape!r}")
     if not isinstance(spec.get("required", True), bool) or spec.get("accept", "float") not in ("float", "int", "bool"):
         raise ValueError(f"buffer config extra field {name!r}: malformed required/accept in {spec!r}")

@@ -18,11 +18,12 @@ from typing import Any, Mapping
 import torch
 
 from torchreplay.assembly import effective_sample_size
+from torchreplay.checks import check_int
 from torchreplay.errors import SchemaError
 from torchreplay.samplers import ProportionalSampler, Sampler
 from torchreplay.samplers.base import occurrence_rank
 from torchreplay.schema import check_finite_advantages
-from torchreplay.slots import LIMIT, SlotTable, TableState, check_int
+from torchreplay.slots import LIMIT, SlotTable, TableState
 
 EVICTION_REASONS = ("staleness", "reuse", "capacity", "corrupt")
 SHORT_POLICIES = ("raise", "truncate")
@@ -36,11 +37,8 @@ COUNTERS = (*(f"evicted_{r}" for r in EVICTION_REASONS), "stale_handle_updates",
 def check_cap(name: str, value: int | None) -> int | None:
     """max_staleness (0 to 2**62) and max_reuse (1 to 2**62), or None for no cap. A cap above
     2**62 would be no cap at all (versions and use counts stay below it) and overflow int64 in
-    the budgets computed from it."""
-    lowest = 1 if name == "max_reuse" else 0
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= LIMIT):
-        raise ValueError(f"{name} must be None or an int in [{lowest}, 2**62], got {value!r}")
-    return value
+    the budgets computed from it. ValueError for any bad value: a cap is a recorded config's field too."""
+    return check_int(value, name, low=1 if name == "max_reuse" else 0, high=LIMIT, allow_none=True, error=ValueError)
 
 
 def check_short(if_short: str) -> None:
@@ -50,15 +48,13 @@ def check_short(if_short: str) -> None:
 
 def replay_count(n_fresh: int, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None) -> int:
     """How many replayed rows `compose` asks for: `n_replay` exactly, or `replay_ratio` of the whole
-    batch, rounded so that the whole batch is a multiple of `multiple_of`."""
-    if multiple_of is not None and (isinstance(multiple_of, bool) or not isinstance(multiple_of, int)
-                                    or multiple_of < 1):
-        raise ValueError(f"multiple_of must be None or an int >= 1, got {multiple_of!r}")
+    batch, rounded so that the whole batch is a multiple of `multiple_of`. A bad count is a
+    ValueError, whatever its type (compose's documented error)."""
+    check_int(multiple_of, "multiple_of", low=1, allow_none=True, error=ValueError)
     if (replay_ratio is None) == (n_replay is None):
         raise ValueError("compose needs exactly one of replay_ratio and n_replay")
     if n_replay is not None:
-        if isinstance(n_replay, bool) or not isinstance(n_replay, int) or n_replay < 0:
-            raise ValueError(f"n_replay must be an int >= 0, got {n_replay!r}")
+        check_int(n_replay, "n_replay", low=0, error=ValueError)
         if multiple_of is not None and (n_fresh + n_replay) % multiple_of:
             raise ValueError(f"n_replay: {n_fresh} fresh + {n_replay} replayed is not a multiple of {multiple_of}")
         return n_replay
@@ -418,7 +414,7 @@ class LedgerState:
         if not isinstance(counters, Mapping) or set(counters) != set(COUNTERS):
             raise ValueError(f"state 'counters' must have the keys {sorted(COUNTERS)}")
         for name, value in counters.items():
-            check_int(f"state counter {name!r}", value, 0, LIMIT)
+            check_int(value, f"state counter {name!r}", low=0, high=LIMIT, error=ValueError)
         # Statistics of the last batch: nan before the first, else a non-negative float.
         stats = {}
         for name in ("last_ess", "last_replay_weight_mean"):

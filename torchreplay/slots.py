@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import torch
 
+from torchreplay.checks import check_int
+
 # Per-rollout fields the table holds (samplers, metrics, batches read them here, not in shards).
 TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len")
 
@@ -23,15 +25,6 @@ TABLE_FIELDS = ("advantage", "reward", "group_id", "policy_version", "prompt_len
 # two still fits int64: no increment, age or budget computed from them can wrap. A restored state
 # is held to these ranges before it is adopted (docs/checkpoints.md "What a restore adopts").
 LIMIT = 2**62
-
-
-def check_int(what: str, value: object, low: int, high: int) -> int:
-    """`value` as an int in [low, high] (not a bool), else ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(f"{what} must lie in [{low}, {high}], got {value}")
-    return value
 
 
 # The table's per-slot columns and their dtypes, in the order states record them.
@@ -85,7 +78,7 @@ class TableState:
                                  f"(the config's {capacity} slots)")
         # Inclusive ranges, scalars first: the per-slot columns' bounds use them.
         for name, low, high in (("version", 0, LIMIT - 1), ("count", 0, capacity), ("next_seq", 0, LIMIT)):
-            check_int(f"state {name!r}", state.get(name), low, high)
+            check_int(state.get(name), f"state {name!r}", low=low, high=high, error=ValueError)
         # Columns every slot keeps, live or dead (a dead slot's generation and seq live on).
         for name, low, high in (("generation", 0, LIMIT), ("seq", -1, state["next_seq"] - 1), ("reuse", 0, LIMIT)):
             column = table[name]

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from torchreplay.checks import check_int
 from torchreplay.errors import StorageError
 from torchreplay.schema import PackedBatch
 from torchreplay.storage import format as fmt
@@ -59,18 +60,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def _check_arguments(hot_bytes, spill_dir, device_bytes, compact_below, compact_min_rows) -> None:
-    if hot_bytes is not None and (isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0):
-        raise ValueError(f"hot_bytes must be None or an int >= 0, got {hot_bytes!r}")
+    check_int(hot_bytes, "hot_bytes", low=0, allow_none=True, error=ValueError)
     if hot_bytes is not None and spill_dir is None:
         raise ValueError("hot_bytes needs spill_dir: without a cold tier nothing can leave RAM")
-    if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0:
-        raise ValueError(f"device_bytes must be an int >= 0, got {device_bytes!r}")
+    check_int(device_bytes, "device_bytes", low=0, error=ValueError)
     if not 0 <= compact_below < 1:
         raise ValueError(f"compact_below must be in [0, 1), got {compact_below!r}")
-    if isinstance(compact_min_rows, bool) or not isinstance(compact_min_rows, int):
-        raise TypeError(f"compact_min_rows must be an int, got {type(compact_min_rows).__name__}")
-    if compact_min_rows < 1:
-        raise ValueError(f"compact_min_rows must be >= 1, got {compact_min_rows}")
+    check_int(compact_min_rows, "compact_min_rows", low=1)
 
 
 def _open_spill_dir(spill_dir: str) -> None:
