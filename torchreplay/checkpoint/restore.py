@@ -1,9 +1,15 @@
-"""Resume a buffer from a checkpoint, or import another run's rollouts into a live buffer."""
+"""Resume a buffer from a checkpoint, or import another run's rollouts into a live buffer.
+
+Every read goes through one retry layer (store.open_reader): each object read may keep failing
+transiently for `retry_budget_s` before the restore fails. The functions here that take a store
+expect such a reader and do not retry again (nested retries multiply the budget).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +22,7 @@ from torchreplay.assembly import Handles
 from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer
 from torchreplay.checkpoint.manifest import read_manifest
-from torchreplay.checkpoint.store import MissingObject, ObjectStore, RetriedReads, open_store, with_retries
+from torchreplay.checkpoint.store import MissingObject, ObjectStore, check_retry_budget, open_reader
 from torchreplay.errors import CheckpointError, StorageError
 from torchreplay.shards import ShardListener
 from torchreplay.slots import TABLE_FIELDS
@@ -94,7 +100,7 @@ def _fetch_shards(store: ObjectStore, manifest: dict[str, Any], progress: bool, 
 
     def one(entry: dict[str, Any]) -> tuple[int, str]:
         path = os.path.join(tmp, f"{entry['id']}.trs")
-        with_retries(lambda: store.get_to_file(entry["key"], path), 60.0, f"download {entry['key']}")
+        store.get_to_file(entry["key"], path)
         if bar is not None:
             bar.update(1)
         return entry["id"], path
@@ -117,20 +123,18 @@ def fetch_shard_metas(store: ObjectStore, manifest: dict[str, Any], max_rows: in
     checked as `fmt.read_meta` checks them with `max_rows` and `fields`: what is known of a shard
     before any of its token data is read or downloaded. An object whose size or header CRC is not
     the one the manifest records (`bytes`, `header_crc32`) holds another shard, or another
-    version of it: refused by its size, or from the first read of its header."""
+    version of it: refused by its size, or from the first read of its header. `store` is a
+    reader (open_reader): its reads are retried there, not here."""
 
     def one(entry: dict[str, Any]) -> tuple[int, fmt.PackedShard]:
         key = entry["key"]
-        size = with_retries(lambda: store.size(key), 60.0, f"size of {key}")
+        size = store.size(key)
         if "bytes" in entry and size != entry["bytes"]:
             raise CheckpointError(f"checkpoint shard {key} is {size} bytes, the manifest records {entry['bytes']}")
 
-        def read(offset: int, length: int) -> bytes:
-            return with_retries(lambda: store.get_range(key, offset, length), 60.0, f"read {key}")
-
         try:
             # A small first read: the header room is a few KiB, and every byte counts over a network.
-            return entry["id"], fmt.read_meta(read, size, first_read=64 * 1024, max_rows=max_rows, fields=fields,
+            return entry["id"], fmt.read_meta(partial(store.get_range, key), size, first_read=64 * 1024, max_rows=max_rows, fields=fields,
                                               convertible=convertible, header_crc32=entry.get("header_crc32"))
         except StorageError as exc:
             raise CheckpointError(f"checkpoint shard {key}: {exc}") from exc
@@ -155,10 +159,10 @@ class _Recorded:
 
 def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: TieredStorage | None,
             checkpoint: Checkpointer | bool, lazy: bool, progress: bool, manifest_key: str | None = None,
-            tag: Any = None, **kwargs: Any) -> "RolloutBuffer":
+            tag: Any = None, retry_budget_s: float = 60.0, **kwargs: Any) -> "RolloutBuffer":
     if checkpoint is not True and checkpoint is not False and not isinstance(checkpoint, ShardListener):
         raise TypeError(f"checkpoint must be True, False or a Checkpointer, got {type(checkpoint).__name__}")
-    store = RetriedReads(open_store(uri, endpoint_url))
+    store = open_reader(uri, endpoint_url, retry_budget_s)
     manifest = read_manifest(store, manifest_key, tag=tag)
     state = load_state(store, manifest)
     if lazy and (storage is None or not storage.tiered):
@@ -191,7 +195,7 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
 
             def fetch(path: str, key: str = key) -> None:
                 try:
-                    with_retries(lambda: store.get_to_file(key, path), 60.0, f"download {key}")
+                    store.get_to_file(key, path)
                 except MissingObject as exc:  # gone for good: the storage evicts its rows
                     raise MissingShard(f"{key} is no longer in {store.uri}: {exc}") from exc
 
@@ -224,7 +228,8 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
         if not lazy:
             shutil.rmtree(download_dir, ignore_errors=True)  # adopted files were moved out (or read)
     if checkpoint is not False:
-        ckpt = Checkpointer(uri, endpoint_url=endpoint_url) if checkpoint is True else checkpoint
+        ckpt = Checkpointer(uri, endpoint_url=endpoint_url, retry_budget_s=store.budget_s) if checkpoint is True \
+            else checkpoint
         same_place = getattr(getattr(ckpt, "store", None), "uri", None) == store.uri
         buffer.attach_checkpointer(ckpt, durable=durable if same_place else {})
     return buffer
@@ -233,19 +238,20 @@ def restore(cls, uri: str, *, endpoint_url: str | None, sampler, storage: Tiered
 def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | None, version_offset: int,
                     reprioritize: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
                     progress: bool, select: Callable[[int, int], bool] | None = None,
-                    keep_reuse: bool = False, tag: Any = None) -> "Handles":
+                    keep_reuse: bool = False, tag: Any = None, retry_budget_s: float = 60.0) -> "Handles":
     """Add another run's live rollouts as new rollouts of this buffer (nothing is written there).
 
     `select(index, count)` picks which of the checkpoint's shards (by position in its manifest)
     to take, e.g. `lambda i, n: i % world == rank` to split a checkpoint over ranks. `keep_reuse`
-    carries the rollouts' use counts over."""
+    carries the rollouts' use counts over. Each read may keep failing for `retry_budget_s`."""
 
+    check_retry_budget(retry_budget_s)
     if isinstance(version_offset, bool) or not isinstance(version_offset, int):
         raise TypeError(f"version_offset must be an int, got {version_offset!r}")
     if not -(2**62) <= version_offset <= 2**62:
         # Versions lie in [0, 2**62): a larger shift would wrap in int64 (to a version that looks valid).
         raise ValueError(f"version_offset must lie in [-2**62, 2**62], got {version_offset}")
-    store = RetriedReads(open_store(uri, endpoint_url))
+    store = open_reader(uri, endpoint_url, retry_budget_s)
     manifest = read_manifest(store, tag=tag)
     state = load_state(store, manifest)
     try:

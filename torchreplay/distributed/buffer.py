@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torchreplay.assembly import effective_sample_size
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer
+from torchreplay.checkpoint.store import check_retry_budget
 from torchreplay.distributed.comm import Comm, fingerprint, ranks_differing
 from torchreplay.distributed.generations import (check_checkpoint_args, discard, import_share, newest_complete_generation,
                                                  rank_uri, restore_rank, start_generation)
@@ -234,7 +235,7 @@ class DistributedRolloutBuffer:
     @classmethod
     def from_checkpoint(cls, uri: str, process_group: dist.ProcessGroup | None = None, mode: str = "local",
                         checkpoint_interval_s: float = 60.0, endpoint_url: str | None = None,
-                        progress: bool = False, tag: int | str | None = None,
+                        progress: bool = False, tag: int | str | None = None, retry_budget_s: float = 60.0,
                         **buffer_kwargs: Any) -> "DistributedRolloutBuffer":
         """Collective: resume from the newest complete checkpoint generation under the run prefix `uri`.
 
@@ -254,6 +255,8 @@ class DistributedRolloutBuffer:
             progress: show download progress bars.
             tag: resume the checkpoint every rank published with `checkpoint(tag=...)` (e.g. the
                 trainer step being resumed) in the newest complete generation, instead of LATEST.
+            retry_budget_s: how long one object read of the old checkpoint may keep failing
+                transiently before this rank's restore fails (`RolloutBuffer.from_checkpoint`).
             **buffer_kwargs: passed to the local `RolloutBuffer`; unset ones (capacity, staleness and
                 reuse caps, schema, built-in sampler) come from the checkpoint. When resharding,
                 each new rank's share must fit its `capacity` (ValueError otherwise, before anything
@@ -262,6 +265,7 @@ class DistributedRolloutBuffer:
         check_checkpoint_args(uri, checkpoint_interval_s, endpoint_url, buffer_kwargs, required=True)
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+        check_retry_budget(retry_budget_s)
         check_mode(mode)
         comm = Comm(process_group)
         rank, world = comm.rank, comm.world_size
@@ -285,10 +289,10 @@ class DistributedRolloutBuffer:
         try:
             if source_world == world:
                 shard = restore_rank(uri, source, rank, checkpoint_interval_s, endpoint_url, progress, tag,
-                                     buffer_kwargs)
+                                     buffer_kwargs, retry_budget_s)
             else:
                 shard, plan = import_share(uri, source, source_world, rank, world, endpoint_url, progress,
-                                           buffer_kwargs, tag)
+                                           buffer_kwargs, tag, retry_budget_s)
             check_sampler(shard, mode)
         except Exception as e:  # noqa: BLE001 - raised by agree, after the collective
             error = e

@@ -34,10 +34,11 @@ import time
 from typing import Any
 
 from torchreplay.buffer import RolloutBuffer
-from torchreplay.checkpoint import Checkpointer, open_store, read_manifest
+from torchreplay.checkpoint import Checkpointer, open_store
+from torchreplay.checkpoint.manifest import read_manifest
 from torchreplay.checkpoint.restore import (buffer_kwargs_from_config, live_rows_from_version, load_state,
                                             sampler_from_state)
-from torchreplay.checkpoint.store import ObjectStore
+from torchreplay.checkpoint.store import ObjectStore, open_reader
 from torchreplay.distributed.comm import fingerprint
 from torchreplay.errors import CheckpointError
 
@@ -161,14 +162,15 @@ def discard(buffer: RolloutBuffer | None) -> None:
 
 
 def restore_rank(uri: str, generation: int, rank: int, interval_s: float, endpoint_url: str | None,
-                 progress: bool, tag: int | str | None, buffer_kwargs: dict[str, Any]) -> RolloutBuffer:
+                 progress: bool, tag: int | str | None, buffer_kwargs: dict[str, Any],
+                 retry_budget_s: float = 60.0) -> RolloutBuffer:
     """Rank `rank`'s shard restored exactly from its own directory of `generation`, checkpointing
     there again (`RolloutBuffer.from_checkpoint`: slots, priorities, reuse counts, sampler and RNG)."""
     place = rank_uri(uri, generation, rank)
     ckpt = Checkpointer(place, interval_s=interval_s, endpoint_url=endpoint_url)
     try:
         return RolloutBuffer.from_checkpoint(place, endpoint_url=endpoint_url, checkpoint=ckpt, progress=progress,
-                                             tag=tag, **buffer_kwargs)
+                                             tag=tag, retry_budget_s=retry_budget_s, **buffer_kwargs)
     except BaseException:
         with contextlib.suppress(CheckpointError):
             ckpt.close(final=False)
@@ -176,7 +178,7 @@ def restore_rank(uri: str, generation: int, rank: int, interval_s: float, endpoi
 
 
 def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_url: str | None,
-                buffer_kwargs: dict[str, Any], tag: int | str | None
+                buffer_kwargs: dict[str, Any], tag: int | str | None, retry_budget_s: float = 60.0
                 ) -> tuple[dict[str, Any], int, list[list[int]], list[int], float]:
     """Read generation `source`'s manifests and plan who imports what on `world` new ranks.
 
@@ -184,7 +186,7 @@ def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_u
     (the new rank importing shard i of old rank o, -1 for a shard with nothing to import), each
     new rank's planned rollouts and a fingerprint of the plan (equal on every rank iff all read
     the same manifests)."""
-    stores = [open_store(rank_uri(uri, source, o), endpoint_url) for o in range(source_world)]
+    stores = [open_reader(rank_uri(uri, source, o), endpoint_url, retry_budget_s) for o in range(source_world)]
     manifests = [read_manifest(s, tag=tag) for s in stores]
     newest = max(m["policy_version"] for m in manifests)
     state = load_state(stores[0], manifests[0])
@@ -213,12 +215,12 @@ def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_u
 
 
 def import_share(uri: str, source: int, source_world: int, rank: int, world: int, endpoint_url: str | None,
-                 progress: bool, buffer_kwargs: dict[str, Any], tag: int | str | None = None
-                 ) -> tuple[RolloutBuffer, float]:
+                 progress: bool, buffer_kwargs: dict[str, Any], tag: int | str | None = None,
+                 retry_budget_s: float = 60.0) -> tuple[RolloutBuffer, float]:
     """Rank `rank`'s new shard: its share of generation `source` (`plan_shares`), imported with
     use counts; returns it and the plan's fingerprint."""
     kwargs, newest, owner, share, plan = plan_shares(uri, source, source_world, world, endpoint_url,
-                                                     buffer_kwargs, tag)
+                                                     buffer_kwargs, tag, retry_budget_s)
     capacity = kwargs.get("capacity")
     if isinstance(capacity, int) and not isinstance(capacity, bool) and max(share) > capacity:
         raise ValueError(f"resharding {sum(share)} rollouts from {source_world} to {world} ranks puts up "
@@ -243,7 +245,8 @@ def import_share(uri: str, source: int, source_world: int, rank: int, world: int
                 return mine[i] == rank
 
             imported += len(buffer.import_checkpoint(place, endpoint_url=endpoint_url, select=select, tag=tag,
-                                                     keep_reuse=True, progress=progress))
+                                                     keep_reuse=True, progress=progress,
+                                                     retry_budget_s=retry_budget_s))
         if imported != share[rank]:
             raise CheckpointError(f"rank {rank} imported {imported} rollouts from generation {source}, "
                                   f"planned {share[rank]}")
