@@ -60,6 +60,7 @@ from torchreplay.assembly import effective_sample_size
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer
 from torchreplay.checkpoint.store import check_retry_budget
+from torchreplay.checks import is_int
 from torchreplay.distributed.comm import Comm, fingerprint, ranks_differing
 from torchreplay.distributed.generations import (check_checkpoint_args, discard, import_share, newest_complete_generation,
                                                  rank_uri, restore_rank, start_generation)
@@ -156,8 +157,7 @@ class DistributedRolloutBuffer:
             raise TypeError(f"buffer must be a RolloutBuffer, got {type(buffer).__name__}")
         if buffer is not None and buffer_kwargs:
             raise TypeError(f"pass buffer= or RolloutBuffer arguments, not both (got {sorted(buffer_kwargs)})")
-        if generation is not None and (checkpoint_uri is None or isinstance(generation, bool)
-                                       or not isinstance(generation, int) or generation < 0):
+        if generation is not None and (checkpoint_uri is None or not is_int(generation) or generation < 0):
             raise ValueError(f"generation must be None or an int >= 0 with a checkpoint_uri, got {generation!r}")
         if buffer is not None and buffer.checkpointer is not None and generation is None:
             raise TypeError("buffer= already has a checkpointer: DistributedRolloutBuffer attaches its own "
@@ -356,7 +356,7 @@ class DistributedRolloutBuffer:
         received token fields and attention mask stay on the GPU they arrived on.
         """
         error = None
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             error = f"batch_size must be an int >= 1, got {batch_size!r}"
         elif generator is not None and not isinstance(generator, torch.Generator):
             error = f"generator must be a torch.Generator or None, got {type(generator).__name__}"
@@ -508,7 +508,7 @@ class DistributedRolloutBuffer:
         the number of rollouts this rank's shard evicted.
         """
         error = None
-        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+        if not is_int(policy_version):
             error = f"policy_version must be an int, got {type(policy_version).__name__}"
         v = policy_version if error is None else 0
         # One MAX reduce: [bad flag, v, -v (min via max of negatives), this shard's version].

@@ -39,6 +39,7 @@ from torchreplay.checkpoint.manifest import read_manifest
 from torchreplay.checkpoint.restore import (buffer_kwargs_from_config, live_rows_from_version, load_state,
                                             sampler_from_state)
 from torchreplay.checkpoint.store import ObjectStore, open_reader
+from torchreplay.checks import check_int, is_int
 from torchreplay.distributed.comm import fingerprint
 from torchreplay.errors import CheckpointError
 
@@ -84,7 +85,7 @@ def generation_records(store: ObjectStore) -> dict[int, int]:
         generation = int(m.group(1))
         world = record.get("world_size") if isinstance(record, dict) else None
         if (not isinstance(record, dict) or record.get("generation") != generation
-                or isinstance(world, bool) or not isinstance(world, int) or world < 1):
+                or not is_int(world) or world < 1):
             raise CheckpointError(f"{store.uri}/{key} is not a generation record of generation {generation}: {record!r}")
         out[generation] = world
     return out
@@ -138,8 +139,7 @@ def plan_reshard(live_rows: list[list[int]], world_size: int) -> list[list[int]]
     shard's rollouts; a plain round robin over shards could put several large ones on one rank
     and overflow its capacity. Deterministic: every rank computes the same plan.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int(world_size, "world_size", low=1, error=ValueError)
     owner = [[-1] * len(rows) for rows in live_rows]
     loads = [(0, r) for r in range(world_size)]  # (live rollouts, new rank), a min-heap
     pairs = sorted(((-n, o, i) for o, rows in enumerate(live_rows) for i, n in enumerate(rows)))
@@ -195,7 +195,7 @@ def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_u
         kwargs["sampler"] = sampler_from_state(state)
     live_rows = [[entry["live_rows"] for entry in m["shards"]] for m in manifests]
     cap = kwargs.get("max_staleness")
-    if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0:  # else the buffer refuses it later
+    if is_int(cap) and cap >= 0:  # else the buffer refuses it later
         # Every new rank resumes at the newest old version, so rollouts stale there are dropped
         # on import whichever rank imports them (an old rank behind that version still held
         # them): plan without them. A rank at the newest version under the recorded cap holds
@@ -222,7 +222,7 @@ def import_share(uri: str, source: int, source_world: int, rank: int, world: int
     kwargs, newest, owner, share, plan = plan_shares(uri, source, source_world, world, endpoint_url,
                                                      buffer_kwargs, tag, retry_budget_s)
     capacity = kwargs.get("capacity")
-    if isinstance(capacity, int) and not isinstance(capacity, bool) and max(share) > capacity:
+    if is_int(capacity) and max(share) > capacity:
         raise ValueError(f"resharding {sum(share)} rollouts from {source_world} to {world} ranks puts up "
                          f"to {max(share)} on one rank (shares {share}) but capacity is {capacity}: "
                          f"pass capacity >= {max(share)}")
