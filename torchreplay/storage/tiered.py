@@ -269,6 +269,16 @@ class TieredStorage:
         """A frozen view of a live shard, as of now."""
         return self._table[shard_id].view()
 
+    def row_lengths(self, shard_of: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Token count (int64) of row rows[k] of live shard shard_of[k], from the shards' offsets:
+        every tier keeps those in memory, so nothing is read (token budgets, `budget.py`)."""
+        ids, inverse = torch.unique(shard_of, return_inverse=True)
+        per_shard = [self._table[sid].offsets.diff() for sid in ids.tolist()]
+        if not per_shard:
+            return torch.empty(0, dtype=torch.int64)
+        first = torch.tensor([0] + [p.numel() for p in per_shard[:-1]], dtype=torch.int64).cumsum(0)
+        return torch.cat(per_shard)[first[inverse] + rows]
+
     def pin_shards(self, shard_ids: Iterable[int]) -> None:
         """Keep the shards' files and copies until `unpin_shards`, even if they die meanwhile."""
         self._table.pin(shard_ids)
