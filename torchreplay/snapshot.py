@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import torch
 
+from torchreplay.checks import is_int
 from torchreplay.config import BufferConfig
 from torchreplay.ledger import LedgerState
 from torchreplay.schema import FieldSpec, PackedBatch
@@ -49,7 +50,7 @@ def check_int64(state: Mapping[str, Any]) -> None:
             stack.extend((value, f"{path}[{key!r}]") for key, value in node.items())
         elif isinstance(node, (list, tuple)):
             stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
-        elif isinstance(node, int) and not isinstance(node, bool) and not -(2**63) <= node < 2**63:
+        elif is_int(node) and not -(2**63) <= node < 2**63:
             raise ValueError(f"{path} = {node} does not fit int64")
 
 
