@@ -161,6 +161,13 @@ def lying_header(case):
         page = 1 << 31
     elif case == "rows over the limit":
         n = 1 << 40
+    elif case == "row count a bool":  # JSON true, with blocks sized for one row: only n's type is wrong
+        n = True
+        offsets["nbytes"], reward["nbytes"] = 16, 4
+    elif case == "offset a float":
+        reward["offset"] = 8192.5
+    elif case == "dim a bool":
+        reward.update(kind="token", shape=[True])
     for f in fields:
         f["page_crcs"] = [0] * max(1, -(-max(f["nbytes"], 0) // page))
     return {"format_version": 1, "n": n, "page_size": page, "file_bytes": 3 * 4096, "fields": fields}
@@ -177,6 +184,9 @@ def lying_header(case):
     ("duplicate", "twice"),
     ("page size", "page_size"),
     ("rows over the limit", "rows"),
+    ("row count a bool", "invalid n=True"),  # was read as 1 row (a bool is an int to isinstance)
+    ("offset a float", "malformed"),  # was truncated to 8192
+    ("dim a bool", "malformed"),  # was read as 1
 ])
 def test_lying_block_lengths_are_storage_errors(tmp_path, case, match):
     """Refused from the header alone: the checksums are never reached (they are all wrong)."""

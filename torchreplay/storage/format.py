@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from torchreplay import boundedjson
+from torchreplay.checks import is_int
 from torchreplay.errors import SchemaError, StorageError
 from torchreplay.schema import FieldSpec, StoredField, check_stored_fields, check_stored_offsets
 
@@ -227,7 +228,7 @@ def parse_header(head: bytes, file_bytes: int, max_rows: int = MAX_ROWS) -> Shar
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise StorageError(f"unsupported shard format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}")
     n, page_size = meta.get("n"), meta.get("page_size")
-    if not isinstance(n, int) or n < 0 or not isinstance(page_size, int) or page_size <= 0 or page_size % ALIGN \
+    if not is_int(n) or n < 0 or not is_int(page_size) or page_size <= 0 or page_size % ALIGN \
             or page_size > MAX_PAGE_SIZE:
         raise StorageError(f"shard header has invalid n={n!r} or page_size={page_size!r}")
     if n > max_rows:
@@ -241,8 +242,9 @@ def parse_header(head: bytes, file_bytes: int, max_rows: int = MAX_ROWS) -> Shar
     for f in entries:
         try:
             name, kind, dtype = str(f["name"]), f["kind"], DTYPES[f["dtype"]]
-            shape = tuple(int(d) for d in f["shape"])
-            offset, nbytes, crcs = int(f["offset"]), int(f["nbytes"]), tuple(int(c) for c in f["page_crcs"])
+            shape, offset, nbytes, crcs = tuple(f["shape"]), f["offset"], f["nbytes"], tuple(f["page_crcs"])
+            if not all(map(is_int, (*shape, offset, nbytes, *crcs))):  # int() would truncate 4096.5, read true as 1
+                raise TypeError("shape, offset, nbytes and page_crcs must be ints")
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"shard header field entry is malformed: {f!r}") from exc
         # A zero in the shape makes rows of no bytes: any row count fits them, none can be decoded.
