@@ -31,7 +31,7 @@ from torchreplay.slots import LIMIT
 from torchreplay.storage import TieredStorage
 
 MAX_TOKENS = 2**40  # 8 TiB of int64 token ids: past any batch, and the worst-case sums below stay in int64
-_CHUNK = 2**20  # worst-case prefix sums are taken this many rollouts at a time (each chunk's sum < 2**61)
+_CHUNK = 2**20  # worst-case prefix sums are taken this many rollouts at a time (each chunk's sum < 2**62)
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,10 @@ def sure_to_fit(lengths: torch.Tensor, budgets: torch.Tensor, room: int) -> int:
     """The most rows a draw may return that fit in `room` tokens whatever they are: the worst case
     takes the longest rollouts first, each as often as its budget allows. `lengths` descending
     (each >= 1), `budgets` the matching reuse budgets (>= 1)."""
-    if lengths.numel() == 0 or int(lengths[0]) > room:  # the longest might come first, and not fit
-        return 0
-    copies = torch.minimum(budgets, room // lengths)  # copies past room // length cannot fit anyway
+    # One copy past room // length is enough to end the count inside that rollout's run (a
+    # rollout longer than the room ends it at 0 rows), and keeps every run's tokens under
+    # 2 * room, so the prefix sums stay in int64.
+    copies = torch.minimum(budgets, room // lengths + 1)
     fit, before = 0, 0
     for start in range(0, lengths.numel(), _CHUNK):
         tokens = (lengths[start:start + _CHUNK] * copies[start:start + _CHUNK])

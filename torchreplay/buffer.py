@@ -12,11 +12,11 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from torchreplay import persistence
+from torchreplay import budget, persistence
 from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, check_device, concat
 from torchreplay.config import BufferConfig
 from torchreplay.errors import StorageError
-from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_short, replay_count
+from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_short
 from torchreplay.padded import from_padded
 from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
@@ -186,29 +186,29 @@ class RolloutBuffer:
         self.shards.release_all(released)
 
     # ---------------------------------------------------------------------------------- sampling
-    def sample(self, batch_size: int, device: torch.device | str | None = None,
+    def sample(self, batch_size: int | None = None, device: torch.device | str | None = None,
                generator: torch.Generator | None = None, reuse_output: bool = False,
-               if_short: str = "raise") -> ReplayBatch:
+               if_short: str = "raise", max_tokens: int | None = None) -> ReplayBatch:
         """Draw `batch_size` rollouts through the sampler (with replacement, but no rollout more
-        often than its reuse budget allows); padded, on `device`.
+        often than its reuse budget allows), or instead as many as fit in `max_tokens` stored tokens
+        (budget.py: the IS weights stay exact); padded, on `device`.
 
         `if_short`: when the caps leave fewer than `batch_size` draws, "raise" (ValueError, nothing
         changes) or "truncate" (a shorter batch). `reuse_output=True` writes the padded token fields
         into buffers kept across calls (much faster for large batches); the returned tensors are
         then valid only until the next `sample(..., reuse_output=True)`."""
         return self.sample_async(batch_size, device, generator, if_short=if_short,
-                                 _inline=True, _reuse=reuse_output).result()
+                                 max_tokens=max_tokens, _inline=True, _reuse=reuse_output).result()
 
-    def sample_async(self, batch_size: int, device: torch.device | str | None = None,
+    def sample_async(self, batch_size: int | None = None, device: torch.device | str | None = None,
                      generator: torch.Generator | None = None, if_short: str = "raise",
-                     _inline: bool = False, _reuse: bool = False) -> PendingBatch:
+                     max_tokens: int | None = None, _inline: bool = False, _reuse: bool = False) -> PendingBatch:
         """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
         caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
         decided now, on the calling thread, so results match `sample` for the same generator; a
         batch whose read then fails has still spent those uses (`sample` itself charges none).
         Call `.result()` on the returned object from the thread that owns the buffer."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        size = budget.draw_size(batch_size, max_tokens)
         check_short(if_short)
         check_device(device)
         if len(self) == 0:
@@ -216,7 +216,8 @@ class RolloutBuffer:
         self.shards.tick()
         generator = generator if generator is not None else self.generator
         state = generator.get_state()
-        slots, weights = self.ledger.draw(batch_size, generator, torch.empty(0, dtype=torch.int64), if_short)
+        slots, weights = budget.draw(self.ledger, self.storage, size, generator, torch.empty(0, dtype=torch.int64),
+                                     if_short)
         if slots.numel() == 0:
             generator.set_state(state)
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
@@ -237,7 +238,7 @@ class RolloutBuffer:
 
         def redraw(exc: CorruptRows) -> ReplayBatch:
             self._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
-            return self.sample(batch_size, device, generator, if_short=if_short)
+            return self.sample(batch_size, device, generator, if_short=if_short, max_tokens=max_tokens)
 
         return PendingBatch(future, device, plan, redraw)
 
@@ -285,11 +286,13 @@ class RolloutBuffer:
 
     def compose(self, fresh: Any, replay_ratio: float | None = None, n_replay: int | None = None,
                 multiple_of: int | None = None, device: torch.device | str | None = None,
-                generator: torch.Generator | None = None, if_short: str = "truncate") -> ReplayBatch:
+                generator: torch.Generator | None = None, if_short: str = "truncate",
+                max_tokens: int | None = None) -> ReplayBatch:
         """Fresh-anchored batch: all of `fresh`, then replayed rollouts: `n_replay` of them exactly,
         or `replay_ratio` of the result (0 <= replay_ratio < 1), rounded so that the whole batch is
         a multiple of `multiple_of` when given (trainers split batches over accumulation steps and
-        ranks, and drop remainders).
+        ranks, and drop remainders); or, with `max_tokens` alone, as many as fit in what `fresh`
+        leaves of that many stored tokens (budget.py; a `fresh` holding more is a ValueError).
 
         `fresh`'s policy_version moves the buffer's version first: rollouts it makes stale are
         never drawn, and replayed ages are measured against it. Replayed rollouts are drawn before
@@ -303,14 +306,14 @@ class RolloutBuffer:
         # A refused or failed compose leaves every counter as it was: the fresh copy goes back to
         # the host pool, and the replayed rows' reads count only once the call has succeeded.
         with self.storage.host_pool.tentative(), self.storage.reads.deferred() as reads:
-            out = self._compose(fresh, replay_ratio, n_replay, multiple_of, generator, if_short)
+            out = self._compose(fresh, replay_ratio, n_replay, multiple_of, generator, if_short, max_tokens)
         self.storage.reads.commit(reads)
         return out if device is None else out.to(device)
 
     def _compose(self, fresh: Any, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None,
-                 generator: torch.Generator | None, if_short: str) -> ReplayBatch:
+                 generator: torch.Generator | None, if_short: str, max_tokens: int | None) -> ReplayBatch:
         packed = self._validate(fresh)
-        count = replay_count(packed.n, replay_ratio, n_replay, multiple_of)
+        count = budget.replay_size(packed.n, int(packed.offsets[-1]), replay_ratio, n_replay, multiple_of, max_tokens)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
         self.shards.tick()
         generator = generator if generator is not None else self.generator
@@ -341,12 +344,13 @@ class RolloutBuffer:
         self.ledger.counters["sampled_replay"] += len(out) - packed.n
         return out
 
-    def _draw_replay(self, count: int, generator: torch.Generator, version: int, if_short: str, n_fresh: int,
-                     multiple: int) -> ReplayBatch | None:
+    def _draw_replay(self, count: int | budget.TokenBudget, generator: torch.Generator, version: int, if_short: str,
+                     n_fresh: int, multiple: int) -> ReplayBatch | None:
         """The replayed part of a compose at `version`: drawn and read, not yet counted as used."""
         replayed = None
         while count and len(self) and replayed is None:
-            slots, weights = self.ledger.draw(count, generator, self.ledger.stale(version), if_short, n_fresh, multiple)
+            slots, weights = budget.draw(self.ledger, self.storage, count, generator, self.ledger.stale(version),
+                                         if_short, n_fresh, multiple)
             if slots.numel() == 0:
                 break
             plan = self.assembler.plan(self.ledger.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
@@ -355,12 +359,7 @@ class RolloutBuffer:
                 replayed = self.assembler.materialize(plan)
             except CorruptRows as exc:
                 self._evict_corrupt(exc)  # then redraw ("skip") or raise
-        n_replay = 0 if replayed is None else len(replayed)
-        if count and replayed is None and if_short == "raise":
-            raise ValueError(f"cannot fill {count} replayed rows: nothing drawable in the buffer")
-        if (n_fresh + n_replay) % multiple:
-            raise ValueError(f"cannot make a batch that is a multiple of {multiple}: {n_fresh} fresh rollouts "
-                             f"and only {n_replay} replayable")
+        budget.check_replayed(count, None if replayed is None else len(replayed), n_fresh, multiple, if_short)
         return replayed
 
     def _evict_corrupt(self, exc: CorruptRows, always_raise: bool = False) -> None:
