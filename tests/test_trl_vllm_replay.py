@@ -225,8 +225,8 @@ def test_replayed_rows_carry_their_vllm_values_to_the_loss_and_resume(tmp_path, 
     when it was generated; every loss TRL computes equals the hand-written loss with each row's
     whole contribution times its replay weight and its policy term times its vLLM IS ratio; a run
     resumed from checkpoint-2 ends with the uninterrupted run's buffer, vLLM fields included.
-    Mutation shown: `to_grpo_inputs` without the vLLM keys (replayed rows then reach TRL's loss
-    without a ratio) fails the first round that replays."""
+    Mutation shown: `trl_vllm.to_inputs` giving every row a sequence ratio of 1 instead of its
+    stored one fails the row check (sequence_mask); without the vLLM keys TRL's loss raises KeyError."""
     settings = dict(use_vllm=False, vllm_importance_sampling_mode=mode, loss_type=loss_type, steps=4,
                     replay_sampler="prioritized", replay_alpha=1.0, replay_beta=1.0, save_strategy="steps", save_steps=2,
                     **extra)

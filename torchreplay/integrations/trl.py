@@ -9,7 +9,9 @@ is folded into the advantage. That is exact for every policy loss TRL 1.16 offer
 dr_grpo, dapo, luspo, cispo, sapo, vespo): each is A times a term that depends on A only through its
 sign, and a weight w > 0 keeps the sign. The KL term and the entropy bonus carry no A: for rows with
 w != 1 the trainer adds the difference to TRL's loss (trl_loss.py), so that each row's whole
-contribution is times w.
+contribution is times w. With `use_vllm=True`, each rollout's vLLM sampling log-probs and
+`importance_sampling_ratio` are stored and replayed with it (trl_vllm.py), so TRL's vLLM IS
+correction treats replayed rows as fresh ones.
 
 TRL private names this module uses (tested against trl 1.16): `_generate_and_score_completions`
 (overridden: the one place a generation batch exists), `_get_per_token_logps_and_entropies` (the
