@@ -4,6 +4,7 @@ from torchreplay.buffer import Handles, PendingBatch, ReplayBatch, RolloutBuffer
 from torchreplay.checkpoint import Checkpointer
 from torchreplay.distributed import DistributedRolloutBuffer
 from torchreplay.errors import CheckpointError, ReplayError, SchemaError, StorageError
+from torchreplay.packed import PackedReplayBatch, to_packed
 from torchreplay.padded import from_padded
 from torchreplay.samplers import (
     FreshnessSampler,
@@ -27,6 +28,8 @@ __all__ = [
     "NewestFirstPolicy",
     "Checkpointer",
     "ReplayBatch",
+    "PackedReplayBatch",
+    "to_packed",
     "Handles",
     "FieldSpec",
     "from_padded",

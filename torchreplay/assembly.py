@@ -75,6 +75,10 @@ class ReplayBatch:
     def __len__(self) -> int:
         return self.weights.numel()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the batch holds (`data` and the bookkeeping columns)."""
+        return [*self.data.values(), *(getattr(self, name) for name in self.BOOKKEEPING)]
+
     def split(self, prompt_side: str = "left") -> dict[str, torch.Tensor]:
         """The layout TRL and verl train on: `prompt_ids`/`prompt_mask` [B, Tp] padded on
         `prompt_side`, `completion_ids`/`completion_mask` [B, Tc] right-padded (int64 masks),
@@ -119,6 +123,7 @@ class Plan:
     pinned: PinnedShards  # the batch's shards, pinned until materialize is done with them
     fields: list[str]
     reuse_output: bool = False
+    layout: str = "padded"  # or one of BatchAssembler.layouts (the buffer's: "packed", torchreplay/packed.py)
     device: torch.device | None = None  # assemble on the storage's device (see TieredStorage(device=))
     ready: Any = None  # CUDA event recorded after a device batch's last kernel (see PendingBatch)
 
@@ -145,7 +150,7 @@ class PendingBatch:
             # for it, and its memory is not reused while the caller's kernels may still read it.
             stream = torch.cuda.current_stream(self._plan.device)
             stream.wait_event(ready)
-            for t in batch.data.values():
+            for t in batch.tensors():
                 if t.is_cuda:
                     t.record_stream(stream)
         return batch if self._device is None else batch.to(self._device)
@@ -165,6 +170,19 @@ def check_device(device: torch.device | str | int | None) -> None:
         raise ValueError(f"device {device!r} cannot hold a batch here: {exc}") from exc
 
 
+def prefetched(start: Callable[[], PendingBatch], steps: int | None) -> Iterator[Any]:
+    """`steps` batches (None: endless) from `start()`, the next one always in flight while the
+    caller has the current one (`RolloutBuffer.prefetching`)."""
+    pending = start()
+    taken = 0
+    while steps is None or taken < steps:
+        batch = pending.result()
+        taken += 1
+        if steps is None or taken < steps:
+            pending = start()
+        yield batch
+
+
 def effective_sample_size(weights: torch.Tensor) -> float:
     """ESS of IS weights as a fraction of their count (1.0: all equal; nan for no weights)."""
     if weights.numel() == 0:
@@ -182,10 +200,14 @@ def padding_mask(lengths: torch.Tensor, width: int, side: str) -> torch.Tensor:
 
 
 class BatchAssembler:
-    """Pads planned rows into ReplayBatches (host or device), reusing output arenas on request."""
+    """Pads planned rows into ReplayBatches (host or device), reusing output arenas on request.
+    `layouts`: other layouts a plan may ask for, name -> function(assembler, plan) -> batch, run
+    where padding would be (inside the plan's pins, on the prefetch thread for `sample_async`)."""
 
     def __init__(self, storage: TieredStorage, fields: Mapping[str, FieldSpec], padding_side: str,
-                 pad_token_id: int) -> None:
+                 pad_token_id: int,
+                 layouts: Mapping[str, Callable[["BatchAssembler", Plan], Any]] | None = None) -> None:
+        self.layouts = dict(layouts or {})
         self.storage = storage
         self.fields = fields
         self.padding_side = padding_side
@@ -223,7 +245,8 @@ class BatchAssembler:
         return home if wanted == home else None
 
     def plan(self, table: SlotTable, slots: torch.Tensor, weights: torch.Tensor, is_fresh: torch.Tensor,
-             version: int, device: torch.device | None = None, reuse_output: bool = False) -> Plan:
+             version: int, device: torch.device | None = None, reuse_output: bool = False,
+             layout: str = "padded") -> Plan:
         """Snapshot what the batch needs and pin its shards (trainer thread). `version` is the one
         the batch's ages are measured against."""
         shard_of = table.chunk[slots]
@@ -235,13 +258,13 @@ class BatchAssembler:
             rows=table.row[slots], meta={name: getattr(table, name)[slots].clone() for name in TABLE_FIELDS},
             generation=table.generation[slots].clone(), age=version - table.policy_version[slots],
             reuse=table.reuse[slots].clone(), pinned=pinned, fields=fields,
-            reuse_output=reuse_output, device=device,
+            reuse_output=reuse_output, layout=layout, device=device,
         )
 
     def materialize(self, plan: Plan) -> ReplayBatch:
         """Page in and pad (any thread; touches only the plan and pinned, immutable shards)."""
         with plan.pinned:
-            batch = self._pad(plan)
+            batch = self._pad(plan) if plan.layout == "padded" else self.layouts[plan.layout](self, plan)
             if plan.device is not None and plan.device.type == "cuda":
                 plan.ready = torch.cuda.Event()
                 plan.ready.record(torch.cuda.current_stream(plan.device))
@@ -258,8 +281,15 @@ class BatchAssembler:
         with torch.cuda.stream(self._prefetch_stream):
             return self.materialize(plan)
 
-    def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reuse: bool) -> torch.Tensor:
-        """An uninitialized padded output (every element is written by pad_rows). With `reuse`, a
+    def check_request(self, device: torch.device | str | int | None, layout: Any) -> None:
+        """`check_device`, and refuse a `layout` this assembler cannot make (ValueError naming it):
+        the calls that take them check them first, before they draw or count anything."""
+        check_device(device)
+        if not (isinstance(layout, str) and (layout == "padded" or layout in self.layouts)):
+            raise ValueError(f"layout must be one of {['padded', *self.layouts]}, got {layout!r}")
+
+    def output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+        """An uninitialized output (every element is written by pad_rows or pack_rows). With `reuse`, a
         view of a per-field arena kept across calls: writing into warm memory instead of freshly
         faulted pages is most of the cost of a large batch."""
         if not reuse:
@@ -283,14 +313,14 @@ class BatchAssembler:
             return self._finish(plan, gather, data)
         dest = torch.arange(n)
         # The mask is a padded copy of an all-True row: the same one-pass op, into a reusable arena.
-        valid = self._output("attention_mask", (n, width), torch.bool, plan.reuse_output)
+        valid = self.output("attention_mask", (n, width), torch.bool, plan.reuse_output)
         ops.pad_rows([torch.ones(width, dtype=torch.bool)], torch.zeros(n, dtype=torch.int64),
                      torch.zeros(n, dtype=torch.int64), lengths, dest, valid, left, False)
         data: dict[str, torch.Tensor] = {}
         for name in token_fields:
             spec = self.fields[name]
             fill = self.pad_token_id if name == "tokens" else 0
-            out = self._output(name, (n, width, *spec.shape), spec.dtype, plan.reuse_output)
+            out = self.output(name, (n, width, *spec.shape), spec.dtype, plan.reuse_output)
             values = [b.token.get(name) for b in sources]
             field_starts, field_lengths = starts, lengths
             if any(v is None for v in values):  # shards stored before this optional field existed: all padding
@@ -305,8 +335,18 @@ class BatchAssembler:
 
     def _finish(self, plan: Plan, gather: Gather, data: dict[str, torch.Tensor]) -> ReplayBatch:
         """The padded token fields in `data`, plus rollout-level fields and the plan's bookkeeping."""
+        data.update(self.rollout_data(plan, gather))
+        return ReplayBatch.assembled(data, Handles(plan.slots, plan.generation), weights=plan.weights, age=plan.age,
+                                     reuse=plan.reuse, is_fresh=plan.is_fresh,
+                                     token_fields=tuple(f for f in plan.fields if self.fields[f].kind == TOKEN),
+                                     pad_token_id=self.pad_token_id)
+
+    def rollout_data(self, plan: Plan, gather: Gather) -> dict[str, torch.Tensor]:
+        """The batch's rollout-level fields [B, ...], whatever its layout: declared ones from the
+        gathered shards (0 where a shard predates an optional one), the slot table's from the plan."""
         n = plan.slots.numel()
         sources = gather.sources
+        data: dict[str, torch.Tensor] = {}
         extra_rollout = [f for f in plan.fields if self.fields[f].kind == ROLLOUT and f not in TABLE_FIELDS]
         rollout_rows = gather.rollout_rows() if extra_rollout else None
         for name in extra_rollout:
@@ -316,10 +356,7 @@ class BatchAssembler:
                        for b, c in zip(sources, columns)]
             data[name] = torch.cat(columns)[rollout_rows] if n else torch.zeros((0, *spec.shape), dtype=spec.dtype)
         data.update(plan.meta)
-        return ReplayBatch.assembled(data, Handles(plan.slots, plan.generation), weights=plan.weights, age=plan.age,
-                                     reuse=plan.reuse, is_fresh=plan.is_fresh,
-                                     token_fields=tuple(f for f in plan.fields if self.fields[f].kind == TOKEN),
-                                     pad_token_id=self.pad_token_id)
+        return data
 
     def _pad_on_device(self, device: torch.device, gather: Gather, starts: torch.Tensor, lengths: torch.Tensor, width: int,
                        token_fields: list[str]) -> dict[str, torch.Tensor]:

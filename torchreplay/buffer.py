@@ -13,10 +13,11 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from torchreplay import budget, persistence
-from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, check_device, concat
+from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat, prefetched
 from torchreplay.config import BufferConfig
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_short
+from torchreplay.packed import LAYOUTS, Batch, PackedReplayBatch, concat as concat_packed
 from torchreplay.padded import from_padded
 from torchreplay.samplers import PrioritizedSampler, Sampler, sampler_spec
 from torchreplay.schema import FieldSpec, PackedBatch, validate_batch
@@ -75,7 +76,7 @@ class RolloutBuffer:
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
         self.shards = ShardKeeper(storage if storage is not None else TieredStorage())
-        self.assembler = BatchAssembler(self.storage, self.fields, padding_side, pad_token_id)
+        self.assembler = BatchAssembler(self.storage, self.fields, padding_side, pad_token_id, LAYOUTS)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         if checkpoint is not None:
@@ -188,7 +189,7 @@ class RolloutBuffer:
     # ---------------------------------------------------------------------------------- sampling
     def sample(self, batch_size: int | None = None, device: torch.device | str | None = None,
                generator: torch.Generator | None = None, reuse_output: bool = False,
-               if_short: str = "raise", max_tokens: int | None = None) -> ReplayBatch:
+               if_short: str = "raise", max_tokens: int | None = None, layout: str = "padded") -> Batch:
         """Draw `batch_size` rollouts through the sampler (with replacement, but no rollout more
         often than its reuse budget allows), or instead as many as fit in `max_tokens` stored tokens
         (budget.py: the IS weights stay exact); padded, on `device`.
@@ -196,13 +197,15 @@ class RolloutBuffer:
         `if_short`: when the caps leave fewer than `batch_size` draws, "raise" (ValueError, nothing
         changes) or "truncate" (a shorter batch). `reuse_output=True` writes the padded token fields
         into buffers kept across calls (much faster for large batches); the returned tensors are
-        then valid only until the next `sample(..., reuse_output=True)`."""
+        then valid only until the next `sample(..., reuse_output=True)`. `layout="packed"`: a
+        `PackedReplayBatch` instead (flat tokens, `cu_seqlens`, `position_ids`; packed.py)."""
         return self.sample_async(batch_size, device, generator, if_short=if_short,
-                                 max_tokens=max_tokens, _inline=True, _reuse=reuse_output).result()
+                                 max_tokens=max_tokens, layout=layout, _inline=True, _reuse=reuse_output).result()
 
     def sample_async(self, batch_size: int | None = None, device: torch.device | str | None = None,
                      generator: torch.Generator | None = None, if_short: str = "raise",
-                     max_tokens: int | None = None, _inline: bool = False, _reuse: bool = False) -> PendingBatch:
+                     max_tokens: int | None = None, layout: str = "padded", _inline: bool = False,
+                     _reuse: bool = False) -> PendingBatch:
         """Like `sample`, but cold rollouts are paged in and padded on a prefetch thread while the
         caller trains on the previous batch. Which rollouts are drawn (and their reuse counts) is
         decided now, on the calling thread, so results match `sample` for the same generator; a
@@ -210,7 +213,7 @@ class RolloutBuffer:
         Call `.result()` on the returned object from the thread that owns the buffer."""
         size = budget.draw_size(batch_size, max_tokens)
         check_short(if_short)
-        check_device(device)
+        self.assembler.check_request(device, layout)
         if len(self) == 0:
             raise ValueError("cannot sample: the buffer is empty")
         self.shards.tick()
@@ -222,7 +225,7 @@ class RolloutBuffer:
             generator.set_state(state)
             raise ValueError("cannot sample: no live rollout has a non-zero priority and reuse budget left")
         plan = self.assembler.plan(self.ledger.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
-                                   self.version, self.assembler.home_for(device), _reuse)
+                                   self.version, self.assembler.home_for(device), _reuse, layout)
         with self.storage.reads.deferred() as reads:  # an inline read counts once the call succeeds
             future = self.assembler.start(plan, inline=_inline)
         failed = future.exception() if _inline else None
@@ -236,27 +239,28 @@ class RolloutBuffer:
             self._record_use(slots, weights, weights)
             self.storage.reads.commit(reads)
 
-        def redraw(exc: CorruptRows) -> ReplayBatch:
+        def redraw(exc: CorruptRows) -> Batch:
             self._evict_corrupt(exc)  # raises unless on_corrupt == "skip"
-            return self.sample(batch_size, device, generator, if_short=if_short, max_tokens=max_tokens)
+            return self.sample(batch_size, device, generator, if_short=if_short, max_tokens=max_tokens, layout=layout)
 
         return PendingBatch(future, device, plan, redraw)
 
     def gather(self, slots: torch.Tensor, count_use: bool = True, weights: torch.Tensor | None = None,
-               device: torch.device | str | None = None) -> ReplayBatch:
-        """Read the given live slots as a padded batch (e.g. slots chosen by another rank's draw).
+               device: torch.device | str | None = None, layout: str = "padded") -> Batch:
+        """Read the given live slots as a batch in `layout` (e.g. slots chosen by another rank's draw).
 
         With `count_use` their reuse counts go up; naming a rollout more often than its reuse
         budget allows is a ValueError (nothing changes). Unreadable rollouts are evicted and raise
         StorageError."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise TypeError("slots must be a 1-D int64 tensor")
-        check_device(device)
+        self.assembler.check_request(device, layout)
         slots = slots.cpu()
         self.ledger.check_uses(slots if count_use else torch.unique(slots))
         n = slots.numel()
         plan = self.assembler.plan(self.ledger.slots, slots, torch.ones(n) if weights is None else weights,
-                                   torch.zeros(n, dtype=torch.bool), self.version, self.assembler.home_for(device))
+                                   torch.zeros(n, dtype=torch.bool), self.version, self.assembler.home_for(device),
+                                   layout=layout)
         with self.storage.reads.deferred() as reads:
             try:
                 batch = self.assembler.materialize(plan)
@@ -273,21 +277,14 @@ class RolloutBuffer:
         return self.ledger.draw_at(u, self.generator)
 
     def prefetching(self, batch_size: int, steps: int | None = None, device: torch.device | str | None = None,
-                    generator: torch.Generator | None = None) -> Iterator[ReplayBatch]:
+                    generator: torch.Generator | None = None, layout: str = "padded") -> Iterator[Batch]:
         """Iterate batches with the next one always in flight (sample-ahead)."""
-        pending = self.sample_async(batch_size, device, generator)
-        taken = 0
-        while steps is None or taken < steps:
-            batch = pending.result()
-            taken += 1
-            if steps is None or taken < steps:
-                pending = self.sample_async(batch_size, device, generator)
-            yield batch
+        return prefetched(lambda: self.sample_async(batch_size, device, generator, layout=layout), steps)
 
     def compose(self, fresh: Any, replay_ratio: float | None = None, n_replay: int | None = None,
                 multiple_of: int | None = None, device: torch.device | str | None = None,
                 generator: torch.Generator | None = None, if_short: str = "truncate",
-                max_tokens: int | None = None) -> ReplayBatch:
+                max_tokens: int | None = None, layout: str = "padded") -> Batch:
         """Fresh-anchored batch: all of `fresh`, then replayed rollouts: `n_replay` of them exactly,
         or `replay_ratio` of the result (0 <= replay_ratio < 1), rounded so that the whole batch is
         a multiple of `multiple_of` when given (trainers split batches over accumulation steps and
@@ -300,18 +297,18 @@ class RolloutBuffer:
         use counts towards max_reuse. If the caps leave too few draws, `if_short="truncate"`
         (default: early steps have little to replay) returns fewer replayed rows, cut to keep
         `multiple_of`; "raise" raises ValueError. On any error `fresh` has not been added and
-        nothing changed, except that unreadable rollouts are evicted (see `on_corrupt`)."""
+        nothing changed, except that unreadable rollouts are evicted (see `on_corrupt`). `layout` as in `sample`."""
         check_short(if_short)
-        check_device(device)
+        self.assembler.check_request(device, layout)
         # A refused or failed compose leaves every counter as it was: the fresh copy goes back to
         # the host pool, and the replayed rows' reads count only once the call has succeeded.
         with self.storage.host_pool.tentative(), self.storage.reads.deferred() as reads:
-            out = self._compose(fresh, replay_ratio, n_replay, multiple_of, generator, if_short, max_tokens)
+            out = self._compose(fresh, replay_ratio, n_replay, multiple_of, generator, if_short, max_tokens, layout)
         self.storage.reads.commit(reads)
         return out if device is None else out.to(device)
 
     def _compose(self, fresh: Any, replay_ratio: float | None, n_replay: int | None, multiple_of: int | None,
-                 generator: torch.Generator | None, if_short: str, max_tokens: int | None) -> ReplayBatch:
+                 generator: torch.Generator | None, if_short: str, max_tokens: int | None, layout: str) -> Batch:
         packed = self._validate(fresh)
         count = budget.replay_size(packed.n, int(packed.offsets[-1]), replay_ratio, n_replay, multiple_of, max_tokens)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
@@ -323,20 +320,22 @@ class RolloutBuffer:
             # The sampler hears the new version before the draw, so version-dependent priorities
             # are current; what the version makes stale is excluded now and evicted by the insert.
             self.ledger.set_version(version)
-            replayed = self._draw_replay(count, generator, version, if_short, packed.n, multiple_of or 1)
+            replayed = self._draw_replay(count, generator, version, if_short, packed.n, multiple_of or 1, layout)
             handles = self._insert(packed)
         except BaseException:
             self.ledger.set_version(old_version)
             generator.set_state(state)
             raise
         fresh_batch = self.assembler.materialize(self.assembler.plan(
-            self.ledger.slots, handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool), self.version))
+            self.ledger.slots, handles.slot, torch.ones(packed.n), torch.ones(packed.n, dtype=torch.bool), self.version,
+            layout=layout))
         out, used, replay_weights = fresh_batch, handles.slot, None
         if replayed is not None:
             # Uses are counted once both parts are read; a replayed slot the insert reused is
             # another rollout now and is not charged.
             same = self.ledger.slots.generation[replayed.handles.slot] == replayed.handles.generation
-            out = concat(fresh_batch, replayed, self.assembler)
+            out = (concat_packed(fresh_batch, replayed) if isinstance(fresh_batch, PackedReplayBatch)
+                   else concat(fresh_batch, replayed, self.assembler))
             used, replay_weights = torch.cat([handles.slot, replayed.handles.slot[same]]), replayed.weights
         self._record_use(used, out.weights, replay_weights)
         self.ledger.counters["sampled_fresh"] += packed.n
@@ -345,7 +344,7 @@ class RolloutBuffer:
         return out
 
     def _draw_replay(self, count: int | budget.TokenBudget, generator: torch.Generator, version: int, if_short: str,
-                     n_fresh: int, multiple: int) -> ReplayBatch | None:
+                     n_fresh: int, multiple: int, layout: str) -> Batch | None:
         """The replayed part of a compose at `version`: drawn and read, not yet counted as used."""
         replayed = None
         while count and len(self) and replayed is None:
@@ -354,7 +353,7 @@ class RolloutBuffer:
             if slots.numel() == 0:
                 break
             plan = self.assembler.plan(self.ledger.slots, slots, weights, torch.zeros(slots.numel(), dtype=torch.bool),
-                                       version)
+                                       version, layout=layout)
             try:
                 replayed = self.assembler.materialize(plan)
             except CorruptRows as exc:
