@@ -145,6 +145,34 @@ def test_round_trip_is_bit_for_bit(positions, padding_side):
         assert torch.equal(batch.logprobs[batch.response_mask], data.batch["old_log_probs"][mask])
 
 
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_packed_batch_converts_and_is_what_verls_remove_padding_path_unpads(padding_side):
+    """to_dataproto takes a packed batch (layout="packed") and gives the DataProto the padded one
+    gives, bit for bit; verl's own unpad_input (its actor's use_remove_padding path) of that
+    DataProto yields the packed batch's tokens, cu_seqlens and max_seqlen, and its position_ids
+    under the mask are the packed position_ids. compose(..., layout="packed") goes through too."""
+    from verl.utils.attention_utils import index_first_axis, unpad_input
+
+    data = make_dataproto(positions="mask")
+    buf = buffer_for(data, padding_side=padding_side)
+    adapter = DataProtoAdapter(buf)
+    handles = adapter.add(data, version=3)
+    packed = buf.gather(handles.slot, count_use=False, layout="packed")
+    out = adapter.to_dataproto(packed, template=data)
+    assert_same(out, data)
+    ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(out.batch["input_ids"].unsqueeze(-1),
+                                                          out.batch["attention_mask"])
+    assert torch.equal(ids.squeeze(-1), packed.tokens.to(ids.dtype))
+    assert torch.equal(cu_seqlens, packed.cu_seqlens) and max_seqlen == packed.max_seqlen
+    positions = index_first_axis(out.batch["position_ids"].reshape(-1, 1), indices).squeeze(-1)
+    assert torch.equal(positions, packed.position_ids)
+
+    fresh = make_dataproto(seed=5, uid_prefix="new-")
+    mixed = adapter.compose(fresh, version=4, n_replay=4, layout="packed", generator=torch.Generator().manual_seed(0))
+    assert isinstance(mixed, tr.PackedReplayBatch) and len(mixed) == len(fresh) + 4
+    assert_same(adapter.to_dataproto(mixed, template=fresh)[: len(fresh)], fresh)
+
+
 def test_round_trip_into_a_template_of_other_rows():
     """Rows come back in another batch's layout, padded with its pad id and position convention."""
     first, second = make_dataproto(seed=1), make_dataproto(seed=2)

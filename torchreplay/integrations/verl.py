@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from torchreplay.buffer import Handles, ReplayBatch, RolloutBuffer
+from torchreplay.packed import PackedReplayBatch
 from torchreplay.padded import SPLIT_KEYS, from_padded, split_padded
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, default_fields
 
@@ -387,21 +388,26 @@ class DataProtoAdapter:
         self._rows, self._uids, self._anonymous, self._seen = rows, uids, anonymous, seen
         self.prune()
 
-    def to_dataproto(self, batch: ReplayBatch, template: Any, multiple_of: int | None = None,
+    def to_dataproto(self, batch: ReplayBatch | PackedReplayBatch, template: Any, multiple_of: int | None = None,
                      is_weights: bool = False) -> Any:
         """A verl DataProto of `batch`'s rows laid out like `template`, a DataProto of this run
         (usually the step's fresh one): its batch keys in order, dtypes, devices, widths, non-tensor
-        keys and meta_info. `multiple_of`: a ValueError unless the row count is a multiple of it
-        (`compose(..., multiple_of=)` makes it one). `is_weights=True` multiplies each row's IS
-        weight into `rollout_is_weights` [B, Tr] (created as the weights if the template has none):
-        verl's policy losses take that per-token weight, whatever their loss mode; its KL and
-        entropy terms do not."""
+        keys and meta_info. A packed batch (`layout="packed"`) gives the same DataProto as the
+        padded one: verl's DataProto is padded, and its actor's remove-padding path
+        (`use_remove_padding`) unpads it again into exactly the packed batch's tokens,
+        `cu_seqlens`, `max_seqlen` and (for [B, T] position_ids) `position_ids`. `multiple_of`: a
+        ValueError unless the row count is a multiple of it (`compose(..., multiple_of=)` makes it
+        one). `is_weights=True` multiplies each row's IS weight into `rollout_is_weights` [B, Tr]
+        (created as the weights if the template has none): verl's policy losses take that per-token
+        weight, whatever their loss mode; its KL and entropy terms do not."""
         try:
             from verl import DataProto
         except ImportError as exc:
             raise ImportError("to_dataproto needs verl: pip install torchreplay[verl]") from exc
+        if isinstance(batch, PackedReplayBatch):
+            batch = batch.to_padded()  # exact; the template's widths are applied below
         if not isinstance(batch, ReplayBatch):
-            raise TypeError(f"batch must be a ReplayBatch, got {type(batch).__name__}")
+            raise TypeError(f"batch must be a ReplayBatch or PackedReplayBatch, got {type(batch).__name__}")
         if not isinstance(template, DataProto):
             raise TypeError(f"template must be a verl DataProto, got {type(template).__name__}")
         n = len(batch)
