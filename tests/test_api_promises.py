@@ -265,7 +265,7 @@ def test_slot_table_view_is_read_only_and_current():
     before = buf.state_dict()
     view.live[:] = False  # a copy: the buffer keeps its three rollouts
     view.reuse[handles.slot] = 7
-    view.chunk.fill_(-1)
+    view.shard.fill_(-1)
     assert len(buf) == 3 and bool(buf.slots.live[handles.slot].all()) and int(buf.slots.reuse.sum()) == 0
     for name in ("live", "advantage", "free", "version"):
         with pytest.raises(AttributeError):

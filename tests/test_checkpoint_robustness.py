@@ -288,7 +288,7 @@ def test_a_state_blob_larger_than_its_capacity_needs_is_refused_unread(refusals)
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda t: {**t, "chunk": t["chunk"][:3]}, "chunk"),
+    (lambda t: {**t, "shard": t["shard"][:3]}, "shard"),
     (lambda t: {**t, "reuse": torch.where(t["live"], -5, t["reuse"])}, "negative reuse"),
     (lambda t: {**t, "advantage": torch.where(t["live"], float("nan"), t["advantage"])}, "non-finite"),
     (lambda t: {**t, "policy_version": torch.where(t["live"], 99, t["policy_version"])}, "policy_version"),

@@ -31,7 +31,7 @@ def unchanged_state(buf: tr.RolloutBuffer) -> dict:
     state = buf.state_dict()
     # I/O statistics count work done (a failed compose may have read its replayed rows already).
     io_stats = ("_hits", "_bytes_read", "_reads")
-    return {"meta": {k: v for k, v in state.items() if k != "chunks"}, "len": len(buf),
+    return {"meta": {k: v for k, v in state.items() if k != "shards"}, "len": len(buf),
             "metrics": {k: v for k, v in buf.metrics().items()
                         if not (isinstance(v, float) and math.isnan(v)) and not k.endswith(io_stats)}}
 
@@ -434,8 +434,8 @@ def test_advance_with_a_failing_sampler_hook_changes_nothing():
     assert len(buf) == 4  # versions 2 and 3
 
 
-def test_load_state_dict_whose_chunk_store_fails_changes_nothing():
-    """The new table was adopted before the chunks were stored: a failing put left old shard ids
+def test_load_state_dict_whose_shard_store_fails_changes_nothing():
+    """The new table was adopted before the shards were stored: a failing put left old shard ids
     in the new table, so slots returned another rollout's tokens."""
     storage = FlakyStorage()
     buf = tr.RolloutBuffer(16, sampler=tr.UniformSampler(), storage=storage, seed=0)

@@ -32,12 +32,12 @@ def test_compaction_takes_shards_from_compact_min_rows_up(tmp_path, min_rows):
     keep = 2  # survivors per shard: 2/threshold and 2/(threshold - 1) are both below 0.5
     buf.gather(h_at.slot[keep:])  # max_reuse=1: one use each evicts them
     buf.gather(h_below.slot[keep:])
-    chunk_at, chunk_below = buf.slots.chunk[h_at.slot[:keep]].clone(), buf.slots.chunk[h_below.slot[:keep]].clone()
+    shard_at, shard_below = buf.slots.shard[h_at.slot[:keep]].clone(), buf.slots.shard[h_below.slot[:keep]].clone()
     storage.flush()
     buf.advance(1)
     assert buf.metrics()["storage_compactions"] == 1
-    assert not torch.equal(buf.slots.chunk[h_at.slot[:keep]], chunk_at)  # rewritten into a new shard
-    assert torch.equal(buf.slots.chunk[h_below.slot[:keep]], chunk_below)  # left as it was
+    assert not torch.equal(buf.slots.shard[h_at.slot[:keep]], shard_at)  # rewritten into a new shard
+    assert torch.equal(buf.slots.shard[h_below.slot[:keep]], shard_below)  # left as it was
     storage.flush()
     assert len(list(tmp_path.glob("*.trs"))) == 2
     # The compacted rollouts read back exactly.
@@ -60,7 +60,7 @@ def test_compact_min_rows_is_validated(tmp_path, bad, error):
 # ------------------------------------------------------------------------------ item 7
 def held_dead_bytes(buf, storage, spill_dir) -> int:
     """Bytes of shard files in spill_dir whose rollouts are all gone: what something still holds."""
-    live = buf.slots.chunk[buf.slots.live].unique().tolist()
+    live = buf.slots.shard[buf.slots.live].unique().tolist()
     live_paths = {storage.shard(sid).path for sid in live}
     return sum(f.stat().st_size for f in spill_dir.glob("*.trs") if str(f) not in live_paths)
 

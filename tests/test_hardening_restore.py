@@ -289,12 +289,12 @@ def lazy_buffer_missing_a_shard(tmp_path, on_corrupt, replace_with_other=False):
         batch = make_batch(16, version=1, seed=20 + k, min_len=5, max_len=5)
         handles = buf.add(batch)
         tokens.update(zip(handles.slot.tolist(), batch["tokens"]))
-    chunk = buf.slots.chunk.clone()
+    shard_of = buf.slots.shard.clone()
     buf.close()
     root = tmp_path / "ckpt"
     manifest = read_manifest(open_store(uri))
     first, other = manifest["shards"][0], manifest["shards"][1]
-    gone_slots = set((chunk == first["id"]).nonzero().flatten().tolist())
+    gone_slots = set((shard_of == first["id"]).nonzero().flatten().tolist())
     storage = tr.TieredStorage(hot_bytes=0, spill_dir=tmp_path / "spill", io="posix")
     lazy = tr.RolloutBuffer.from_checkpoint(uri, lazy=True, storage=storage, progress=False, on_corrupt=on_corrupt)
     if replace_with_other:  # after the restore read its header: only the download can tell

@@ -5,7 +5,7 @@ Each reproduction used to pass through: a header claiming 250M rows made the rea
 ~2 GB offsets block (twice: the read, then the decoded copy) before n was checked against anything;
 a shard with only an offsets block restored, and samples returned empty rollouts; tokens stored as
 float32 restored, and every sample raised RuntimeError. Rejections are CheckpointError naming the
-shard key (restore, import) or ValueError naming the chunk (load_state_dict), with field and problem."""
+shard key (restore, import) or ValueError naming the shard (load_state_dict), with field and problem."""
 
 import json
 import os
@@ -320,19 +320,19 @@ def test_a_valid_checkpoint_still_restores(tmp_path, mode):
     buf.close()
 
 
-# ------------------------------------------------------------------ load_state_dict chunks
+# ------------------------------------------------------------------ load_state_dict shards
 SCORE = {"score": tr.FieldSpec("score", "rollout", torch.float32, ())}
 
 
 def edited_state(edit):
-    """A real state_dict (with a per-rollout extra field, which shards store), one chunk edited."""
+    """A real state_dict (with a per-rollout extra field, which shards store), one shard edited."""
     buf = tr.RolloutBuffer(16, seed=0, extra_fields=SCORE)
     buf.add(dict(make_batch(6, version=1, seed=1), score=torch.arange(6.0)))
     state = buf.state_dict()
-    (cid, chunk), = state["chunks"].items()
-    offsets, token, rollout = edit(chunk["offsets"].clone(), dict(chunk["token"]), dict(chunk["rollout"]))
-    chunks = {cid: dict(chunk, offsets=offsets, token=token, rollout=rollout)}
-    return dict(state, chunks=chunks), cid
+    (sid, shard), = state["shards"].items()
+    offsets, token, rollout = edit(shard["offsets"].clone(), dict(shard["token"]), dict(shard["rollout"]))
+    shards = {sid: dict(shard, offsets=offsets, token=token, rollout=rollout)}
+    return dict(state, shards=shards), sid
 
 
 def short_rollout_field(offsets, token, rollout):
@@ -352,12 +352,12 @@ def not_a_tensor(offsets, token, rollout):
     (short_token_field, "logprobs", "rows"),
     (not_a_tensor, "logprobs", "tensor"),
 ], ids=SCHEMA_IDS + ["short_rollout_field", "short_token_field", "not_a_tensor"])
-def test_load_state_dict_chunks_are_checked_against_the_schema(edit, field, problem):
-    state, cid = edited_state(edit)
+def test_load_state_dict_shards_are_checked_against_the_schema(edit, field, problem):
+    state, sid = edited_state(edit)
     twin = tr.RolloutBuffer(16, seed=0, extra_fields=SCORE)
     with pytest.raises(ValueError) as caught:
         twin.load_state_dict(state)
-    assert_names(str(caught.value), f"chunk {cid}", repr(field), problem=problem)
+    assert_names(str(caught.value), f"shard {sid}", repr(field), problem=problem)
     assert len(twin) == 0
     twin.add(dict(make_batch(2, seed=2), score=torch.ones(2)))  # and the buffer carries on
     assert len(twin) == 2

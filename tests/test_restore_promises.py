@@ -174,8 +174,9 @@ def test_lazy_restore_fetches_on_prefetch_and_on_compaction(tmp_path, downloads)
     read back is the rollouts that were added.
 
     Mutation runs, each failed here:
-    * restore.py store_chunk: `buffer.storage.ensure_local(buffer.storage.shard(new_ids[cid]))`
-      after adopt_remote (an eager fetch under lazy=True): fetched_shards was 3 after restore;
+    * restore.py store_chunk (today snapshot.py RemoteShardSource.store):
+      `buffer.storage.ensure_local(...)` after adopt_remote (an eager fetch under lazy=True):
+      fetched_shards was 3 after restore;
     * assembly.py BatchAssembler.start: `inline = True` (materialized on the caller's thread, not
       prefetched): the download ran on MainThread, not on torchreplay-prefetch;
     * tiered.py compaction_candidates: `and s.remote is None` (a not-yet-fetched shard is never
@@ -187,8 +188,8 @@ def test_lazy_restore_fetches_on_prefetch_and_on_compaction(tmp_path, downloads)
     assert not list(spill.glob("*.trs"))
     assert len(lazy) == 48 and live_slots(lazy) == set(origin)
     shard_slots = [set(h.slot.tolist()) for h in handles]
-    chunk_of = {k: int(lazy.slots.chunk[h.slot[0]]) for k, h in enumerate(handles)}
-    assert len(set(chunk_of.values())) == 3
+    shard_of = {k: int(lazy.slots.shard[h.slot[0]]) for k, h in enumerate(handles)}
+    assert len(set(shard_of.values())) == 3
 
     # (a) sample_async: the draw can only take shard 1's rollouts; the prefetch thread downloads it.
     expect = only_drawable(lazy, shard_slots[1], origin)
@@ -218,13 +219,13 @@ def test_lazy_restore_fetches_on_prefetch_and_on_compaction(tmp_path, downloads)
     hf = lazy.add(fresh)
     h0 = handles[0]  # restored slots keep their generations; an evicted one's slot is reused
     survivors = set(h0.slot[(lazy.slots.generation[h0.slot] == h0.generation) & lazy.slots.live[h0.slot]].tolist())
-    assert len(survivors) == 3 and (lazy.slots.chunk[torch.tensor(sorted(survivors))] == chunk_of[0]).all()
+    assert len(survivors) == 3 and (lazy.slots.shard[torch.tensor(sorted(survivors))] == shard_of[0]).all()
     assert lazy.metrics()["storage_fetched_shards"] == 2 and lazy.metrics()["storage_compactions"] == 0
     lazy.advance(3)
     assert lazy.metrics()["storage_compactions"] == 1
     assert lazy.metrics()["storage_fetched_shards"] == 3 and len(downloads) == 3
-    assert (lazy.slots.chunk[torch.tensor(sorted(survivors))] != chunk_of[0]).all()  # moved to a new shard
-    assert lazy.storage.live_fraction(int(lazy.slots.chunk[min(survivors)])) == 1.0
+    assert (lazy.slots.shard[torch.tensor(sorted(survivors))] != shard_of[0]).all()  # moved to a new shard
+    assert lazy.storage.live_fraction(int(lazy.slots.shard[min(survivors)])) == 1.0
     origin_now = dict(origin)
     remember(origin_now, hf, fresh)
     expect = only_drawable(lazy, live_slots(lazy), origin_now)  # every advantage as added again
@@ -253,10 +254,10 @@ def test_missing_shard_object_is_one_attempt_and_evicted(tmp_path, downloads, ca
     assert lazy.metrics()["storage_fetched_shards"] == 0
     shard_slots = [set(h.slot.tolist()) for h in handles]
     manifest = read_manifest(open_store(uri))
-    by_chunk = {}  # shard index k -> its object key (the manifest lists the original shard ids)
+    by_shard = {}  # shard index k -> its object key (the manifest lists the original shard ids)
     for k, h in enumerate(handles):
-        by_chunk[k] = next(s["key"] for s in manifest["shards"] if s["id"] == int(buf.slots.chunk[h.slot[0]]))
-    gone = by_chunk[1]
+        by_shard[k] = next(s["key"] for s in manifest["shards"] if s["id"] == int(buf.slots.shard[h.slot[0]]))
+    gone = by_shard[1]
     os.unlink(tmp_path / "ckpt" / gone)
 
     # Stop a second attempt at once (a retry would otherwise back off for up to 60 s).
@@ -292,6 +293,6 @@ def test_missing_shard_object_is_one_attempt_and_evicted(tmp_path, downloads, ca
     rest = torch.tensor(sorted(shard_slots[0] | shard_slots[2]))
     check_rows(lazy.gather(rest, count_use=False), expect)
     assert lazy.metrics()["storage_fetched_shards"] == 2
-    assert sorted(k for k, _ in downloads) == sorted([gone, by_chunk[0], by_chunk[2]]), downloads
+    assert sorted(k for k, _ in downloads) == sorted([gone, by_shard[0], by_shard[2]]), downloads
     lazy.close()
     buf.close()

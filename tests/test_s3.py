@@ -165,7 +165,7 @@ def test_lazy_restore_downloads_a_shard_only_when_a_sample_needs_it(s3_server, s
         assert torch.equal(getattr(resumed.slots, name), getattr(buf.slots, name)), name
 
     # Sample the rollouts of two shards only: exactly those two files come down, bit-identical.
-    wanted = ((buf.slots.chunk == 1) | (buf.slots.chunk == 4)).nonzero().flatten()
+    wanted = ((buf.slots.shard == 1) | (buf.slots.shard == 4)).nonzero().flatten()
     original, restored = buf.gather(wanted, count_use=False), resumed.gather(wanted, count_use=False)
     assert torch.equal(original.tokens, restored.tokens) and torch.equal(original.logprobs, restored.logprobs)
     assert resumed.metrics()["storage_fetched_shards"] == 2 and len(list(spill.glob("*.trs"))) == 2
@@ -173,9 +173,9 @@ def test_lazy_restore_downloads_a_shard_only_when_a_sample_needs_it(s3_server, s
 
     # A shard that vanished from the store after the restore (S3 answers 404): a clear StorageError
     # on first use, its rollouts evicted and counted (they can never be served).
-    others = ((resumed.slots.chunk != resumed.slots.chunk[wanted[0]])
-              & (resumed.slots.chunk != resumed.slots.chunk[wanted[-1]]) & resumed.slots.live).nonzero().flatten()
-    lost = int((resumed.slots.live & (resumed.slots.chunk == resumed.slots.chunk[others[0]])).sum())
+    others = ((resumed.slots.shard != resumed.slots.shard[wanted[0]])
+              & (resumed.slots.shard != resumed.slots.shard[wanted[-1]]) & resumed.slots.live).nonzero().flatten()
+    lost = int((resumed.slots.live & (resumed.slots.shard == resumed.slots.shard[others[0]])).sum())
     store.delete([s["key"] for s in read_manifest(store)["shards"]])
     with pytest.raises(tr.StorageError, match="is no longer in s3://"):
         resumed.gather(others[:1], count_use=False)

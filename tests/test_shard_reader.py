@@ -217,7 +217,7 @@ def test_corruption_seen_by_the_reader_evicts_through_the_buffer(tmp_path):
     buf.add(make_batch(16, seed=1))
     bad = buf.add(make_batch(16, seed=2, min_len=3000, max_len=4000))
     buf.storage.flush()
-    shard = buf.storage.shard(int(buf.slots.chunk[bad.slot[0]]))
+    shard = buf.storage.shard(int(buf.slots.shard[bad.slot[0]]))
     header = shard.header
     data = bytearray(open(shard.path, "rb").read())
     data[header.blocks["tokens"].offset + 5] ^= 0xFF  # page 0 of tokens: the first rollout(s) only

@@ -104,7 +104,7 @@ def test_shard_that_dies_while_pinned_is_deleted_by_the_unpinning_thread(tmp_pat
         buf.add(make_batch(8, version=v, seed=v))
     storage.flush()
     slots = buf.slots
-    doomed = sorted(set(slots.chunk[slots.live & (slots.policy_version < 2)].tolist()))
+    doomed = sorted(set(slots.shard[slots.live & (slots.policy_version < 2)].tolist()))
     assert len(doomed) == 2 and len(live_shards(slots)[0]) == 3  # one shard per add
     pinned = [storage.shard(sid) for sid in doomed]
     storage.pin_shards([s.id for s in pinned])
@@ -184,7 +184,7 @@ def test_corrupt_block_evicts_affected_rollouts_and_keeps_serving(tmp_path, mode
     good_handles = buf.add(good)
     bad_handles = buf.add(bad)
     storage.flush()
-    corrupt_block(storage.shard(int(buf.slots.chunk[bad_handles.slot[0]])).path)
+    corrupt_block(storage.shard(int(buf.slots.shard[bad_handles.slot[0]])).path)
     gen = torch.Generator().manual_seed(0)
     if mode == "raise":
         with pytest.raises(tr.StorageError, match="checksum"):
@@ -210,7 +210,7 @@ def test_vanished_file_raises_storage_error_and_evicts_its_rollouts(tmp_path, de
     keep = buf.add(make_batch(8, seed=7))
     lost = buf.add(make_batch(8, seed=8))
     storage.flush()
-    os.unlink(storage.shard(int(buf.slots.chunk[lost.slot[0]])).path)
+    os.unlink(storage.shard(int(buf.slots.shard[lost.slot[0]])).path)
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(tr.StorageError, match="vanished"):
         for _ in range(10):

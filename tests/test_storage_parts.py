@@ -101,7 +101,7 @@ def test_export_gives_the_file_or_the_hot_copy(tmp_path):
                                storage=TieredStorage(hot_bytes=0 if spill else None, spill_dir=spill, io="posix"))
         buf.add(batch)
         storage = buf.storage
-        sid = int(buf.slots.chunk[buf.slots.live][0])
+        sid = int(buf.slots.shard[buf.slots.live][0])
         storage.pin_shards([sid])
         buf.advance(1)  # every rollout goes stale: the shard dies while pinned
         with pytest.raises(KeyError):

@@ -249,7 +249,7 @@ class BatchAssembler:
              layout: str = "padded") -> Plan:
         """Snapshot what the batch needs and pin its shards (trainer thread). `version` is the one
         the batch's ages are measured against."""
-        shard_of = table.chunk[slots]
+        shard_of = table.shard[slots]
         pinned = self.storage.pinned(torch.unique(shard_of).tolist())
         fields = [name for name, spec in self.fields.items()
                   if spec.required or name in self.storage.optional_fields]

@@ -144,7 +144,7 @@ def _draw_blocks(ledger: Ledger, storage: TieredStorage, room: int, generator: t
     if budget is None:
         budget = torch.where(table.live, LIMIT, 0)
     candidates = (budget > 0).nonzero().flatten()
-    lengths = storage.row_lengths(table.chunk[candidates], table.row[candidates])
+    lengths = storage.row_lengths(table.shard[candidates], table.row[candidates])
     budget[candidates[lengths > room]] = 0  # longer than the whole room: never in this batch
     fits = lengths <= room
     order = torch.argsort(lengths[fits], descending=True, stable=True)

@@ -224,7 +224,7 @@ class Ledger:
     def evict_rows(self, shard_id: int, rows: list[int]) -> tuple[int, Released]:
         """Evict the live rollouts stored in these rows of a shard (found unreadable)."""
         t = self.slots
-        hit = ((t.chunk == shard_id) & t.live).nonzero().flatten()
+        hit = ((t.shard == shard_id) & t.live).nonzero().flatten()
         hit = hit[torch.isin(t.row[hit], torch.tensor(rows, dtype=torch.int64))]
         return hit.numel(), self.evict(hit, "corrupt")
 

@@ -19,7 +19,7 @@ from torchreplay.errors import SchemaError
 from torchreplay.schema import ROLLOUT, TOKEN, FieldSpec, PackedBatch, check_stored_fields, check_stored_offsets
 from torchreplay.shards import ShardKeeper, ShardListener
 from torchreplay.slots import TABLE_FIELDS
-from torchreplay.snapshot import BufferSnapshot, PackedShardSource, ShardSource, live_shards
+from torchreplay.snapshot import BufferSnapshot, PackedShardSource, ShardSource, current_state, live_shards
 from torchreplay.storage import TieredStorage
 
 
@@ -30,61 +30,64 @@ def snapshot_of(config: BufferConfig, ledger: Ledger, generator: torch.Generator
 
 def full_state(snapshot: BufferSnapshot, storage: TieredStorage) -> dict[str, Any]:
     """`snapshot`'s state with the live shards' payloads read from `storage` (`state_dict()`)."""
-    chunks = {}
+    shards = {}
     for info in snapshot.shards:
         b = storage.read_shard(info.id)
-        chunks[str(info.id)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
+        shards[str(info.id)] = {"offsets": b.offsets, "token": dict(b.token), "rollout": dict(b.rollout),
                                 "live_rows": info.live_rows}
-    return {**snapshot.state, "chunks": chunks}
+    return {**snapshot.state, "shards": shards}
 
 
 def parse_full_state(state: Any, config: BufferConfig) -> tuple[BufferSnapshot, dict[int, ShardSource]]:
     """A `full_state` read for a buffer configured by `config`: the snapshot and one in-memory
-    source per chunk, every part checked (the chunks against the buffer's schema) before anything
+    source per shard, every part checked (the shards against the buffer's schema) before anything
     is stored. ValueError/TypeError naming the part."""
-    if not isinstance(state, Mapping) or not isinstance(state.get("chunks"), Mapping):
-        raise TypeError("state must be a mapping from state_dict() (with 'chunks')")
+    if not isinstance(state, Mapping):
+        raise TypeError("state must be a mapping from state_dict() (with 'shards')")
+    state = current_state(state)
+    if not isinstance(state.get("shards"), Mapping):
+        raise TypeError("state must be a mapping from state_dict() (with 'shards')")
     snapshot = BufferSnapshot.from_state(state, config.extra_fields)
     check_layout(snapshot.config, config)
-    sizes = chunk_sizes(state["chunks"], config.fields())
-    return snapshot, {cid: PackedShardSource(chunk_batch(state["chunks"][str(cid)], n)) for cid, n in sizes.items()}
+    sizes = shard_sizes(state["shards"], config.fields())
+    return snapshot, {sid: PackedShardSource(shard_batch(state["shards"][str(sid)], n)) for sid, n in sizes.items()}
 
 
-def chunk_sizes(chunks: Mapping[Any, Any], fields: Mapping[str, FieldSpec]) -> dict[int, int]:
-    """Rows per chunk of a `full_state`, every chunk checked against the schema `fields` before
-    anything is stored: chunks are adopted as they are, without add()'s validation, so a chunk
+def shard_sizes(shards: Mapping[Any, Any], fields: Mapping[str, FieldSpec]) -> dict[int, int]:
+    """Rows per shard of a `full_state`, every shard checked against the schema `fields` before
+    anything is stored: shards are adopted as they are, without add()'s validation, so a shard
     missing a field or holding float tokens would load and break every sample after. Raises
-    ValueError naming the chunk, field and problem."""
+    ValueError naming the shard, field and problem."""
     shard_fields = {k: v for k, v in fields.items() if k not in TABLE_FIELDS}
     sizes = {}
-    for cid, c in chunks.items():
+    for sid, c in shards.items():
         offsets = c.get("offsets") if isinstance(c, Mapping) else None
         if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
-            raise ValueError(f"state chunk {cid}: offsets must be a 1-D int64 tensor")
-        if not str(cid).isdigit():
-            raise ValueError(f"state chunk id {cid!r} is not a non-negative integer")
+            raise ValueError(f"state shard {sid}: offsets must be a 1-D int64 tensor")
+        if not str(sid).isdigit():
+            raise ValueError(f"state shard id {sid!r} is not a non-negative integer")
         if not isinstance(c.get("token"), Mapping) or not isinstance(c.get("rollout"), Mapping):
-            raise ValueError(f"state chunk {cid}: 'token' and 'rollout' must be mappings of field name -> tensor")
+            raise ValueError(f"state shard {sid}: 'token' and 'rollout' must be mappings of field name -> tensor")
         stored = {}
         for kind, group in ((TOKEN, c["token"]), (ROLLOUT, c["rollout"])):
             for name, t in group.items():
                 if not isinstance(t, torch.Tensor) or t.dim() < 1:
-                    raise ValueError(f"state chunk {cid}: field {name!r} must be a tensor of rows, "
+                    raise ValueError(f"state shard {sid}: field {name!r} must be a tensor of rows, "
                                      f"got {type(t).__name__}")
                 if name in stored:
-                    raise ValueError(f"state chunk {cid}: field {name!r} is both a token and a rollout field")
+                    raise ValueError(f"state shard {sid}: field {name!r} is both a token and a rollout field")
                 stored[name] = (kind, t.dtype, tuple(t.shape[1:]), t.shape[0])
         try:
             check_stored_fields(shard_fields, stored)
             check_stored_offsets(offsets, stored)
         except SchemaError as exc:
-            raise ValueError(f"state chunk {cid}: {exc}") from exc
-        sizes[int(cid)] = offsets.numel() - 1
+            raise ValueError(f"state shard {sid}: {exc}") from exc
+        sizes[int(sid)] = offsets.numel() - 1
     return sizes
 
 
-def chunk_batch(chunk: Mapping[str, Any], rows: int) -> PackedBatch:
-    return PackedBatch(n=rows, offsets=chunk["offsets"], token=dict(chunk["token"]), rollout=dict(chunk["rollout"]))
+def shard_batch(shard: Mapping[str, Any], rows: int) -> PackedBatch:
+    return PackedBatch(n=rows, offsets=shard["offsets"], token=dict(shard["token"]), rollout=dict(shard["rollout"]))
 
 
 def check_layout(recorded: BufferConfig, config: BufferConfig) -> None:
@@ -110,9 +113,9 @@ def restore(snapshot: BufferSnapshot, sources: Mapping[int, ShardSource], config
     columns = snapshot.ledger.table.columns
     live = columns["live"]
     for info in snapshot.shards:
-        used = columns["row"][live & (columns["chunk"] == info.id)]
+        used = columns["row"][live & (columns["shard"] == info.id)]
         if int(used.max()) >= rows[info.id]:
-            raise ValueError(f"state chunk {info.id}: a live slot names a row outside its {rows[info.id]} rows")
+            raise ValueError(f"state shard {info.id}: a live slot names a row outside its {rows[info.id]} rows")
     new_ids: dict[int, int] = {}
     old_rng = generator.get_state()
     try:

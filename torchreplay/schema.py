@@ -467,7 +467,7 @@ StoredField = tuple[str, torch.dtype, tuple[int, ...], int]  # kind, dtype, per-
 
 def check_stored_fields(fields: Mapping[str, FieldSpec], stored: Mapping[str, StoredField],
                         convertible: bool = False) -> None:
-    """Check fields stored apart from a batch (a shard file's blocks, a state_dict chunk's tensors)
+    """Check fields stored apart from a batch (a shard file's blocks, a state_dict shard's tensors)
     against `fields`, the specs of what such a store holds, before they are adopted: no unknown
     field, every required one present, each with the spec's kind, dtype and per-row shape.
 

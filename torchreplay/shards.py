@@ -91,7 +91,7 @@ class ShardKeeper:
         """Rewrite each mostly dead shard's live rows into a new shard, so its file and memory go.
         The slots keep their rollouts: nothing a caller can see changes."""
         for shard_id in self.storage.compaction_candidates():
-            live = ((slots.chunk == shard_id) & slots.live).nonzero().flatten()
+            live = ((slots.shard == shard_id) & slots.live).nonzero().flatten()
             try:
                 with self.storage.pinned([shard_id]):
                     batch, index = self.storage.fetch(shard_id, slots.row[live])
@@ -99,7 +99,7 @@ class ShardKeeper:
                 on_corrupt(exc)
                 continue
             new_id = self.put(subset(batch, index))
-            slots.chunk[live] = new_id
+            slots.shard[live] = new_id
             slots.row[live] = torch.arange(live.numel())
             self.release(shard_id, live.numel())
             self.storage.counters["compactions"] += 1

@@ -8,6 +8,7 @@ table's queries are pure and its few mutations (`take`, `insert`, `kill`) have e
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -31,7 +32,7 @@ LIMIT = 2**62
 COLUMNS: Mapping[str, torch.dtype] = MappingProxyType({
     "live": torch.bool, "generation": torch.int64, "seq": torch.int64, "reuse": torch.int64,
     "advantage": torch.float32, "reward": torch.float32, "group_id": torch.int64, "policy_version": torch.int64,
-    "prompt_len": torch.int64, "chunk": torch.int64, "row": torch.int64})
+    "prompt_len": torch.int64, "shard": torch.int64, "row": torch.int64})
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class TableState:
 
     def live_shards(self) -> tuple[list[int], list[int]]:
         """The shards live slots name, ascending, and how many live slots name each."""
-        ids, rows = torch.unique(self.columns["chunk"][self.columns["live"]], return_counts=True)
+        ids, rows = torch.unique(self.columns["shard"][self.columns["live"]], return_counts=True)
         return ids.tolist(), rows.tolist()
 
     @classmethod
@@ -107,7 +108,7 @@ class TableState:
             versions = table["policy_version"][live]
             if int(versions.min()) < 0 or int(versions.max()) > state["version"]:
                 raise ValueError(f"state: a live slot's policy_version is outside [0, version {state['version']}]")
-            if int(table["chunk"][live].min()) < 0 or int(table["row"][live].min()) < 0:
+            if int(table["shard"][live].min()) < 0 or int(table["row"][live].min()) < 0:
                 raise ValueError("state: a live slot names a negative shard or row")
         return cls(MappingProxyType({name: table[name] for name in COLUMNS}), state["version"], state["count"],
                    state["next_seq"], free)
@@ -135,7 +136,7 @@ class SlotTable:
         self.group_id = torch.zeros(capacity, dtype=torch.int64)
         self.policy_version = torch.zeros(capacity, dtype=torch.int64)
         self.prompt_len = torch.zeros(capacity, dtype=torch.int64)
-        self.chunk = torch.full((capacity,), -1, dtype=torch.int64)
+        self.shard = torch.full((capacity,), -1, dtype=torch.int64)
         self.row = torch.zeros(capacity, dtype=torch.int64)
         self.version = 0
         self.count = 0
@@ -201,8 +202,8 @@ class SlotTable:
         """Pop n free slots (the caller made room first; a failed insert restores the free list)."""
         return torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.int64)
 
-    def insert(self, slots: torch.Tensor, meta: Mapping[str, torch.Tensor], chunk: int) -> None:
-        """Make `slots` live with the given per-rollout metadata, rows 0..n-1 of shard `chunk`."""
+    def insert(self, slots: torch.Tensor, meta: Mapping[str, torch.Tensor], shard: int) -> None:
+        """Make `slots` live with the given per-rollout metadata, rows 0..n-1 of shard `shard`."""
         n = slots.numel()
         seq = torch.arange(self.next_seq, self.next_seq + n, dtype=torch.int64)
         self.next_seq += n
@@ -212,7 +213,7 @@ class SlotTable:
         self.reuse[slots] = 0
         for name in TABLE_FIELDS:
             getattr(self, name)[slots] = meta[name]
-        self.chunk[slots] = chunk
+        self.shard[slots] = shard
         self.row[slots] = torch.arange(n, dtype=torch.int64)
         self.count += n
         pairs = list(zip(slots.tolist(), seq.tolist()))
@@ -231,10 +232,10 @@ class SlotTable:
         """Mark live slots dead and free them; returns (shard id, rows) released per shard."""
         if slots.numel() == 0:
             return []
-        shard_ids, counts = torch.unique(self.chunk[slots], return_counts=True)
+        shard_ids, counts = torch.unique(self.shard[slots], return_counts=True)
         self.live[slots] = False
         self.count -= slots.numel()
-        self.chunk[slots] = -1
+        self.shard[slots] = -1
         self.free.extend(reversed(slots.tolist()))
         return list(zip(shard_ids.tolist(), counts.tolist()))
 
@@ -290,10 +291,10 @@ class SlotTable:
             setattr(out, name, state.columns[name].clone())
         out.version, out.count, out.next_seq = state.version, state.count, state.next_seq
         out.free = state.free.tolist()
-        out.chunk[~out.live] = -1
+        out.shard[~out.live] = -1
         if shard_ids is not None:
             live = out.live_slots()
-            out.chunk[live] = torch.tensor([shard_ids[c] for c in out.chunk[live].tolist()], dtype=torch.int64)
+            out.shard[live] = torch.tensor([shard_ids[s] for s in out.shard[live].tolist()], dtype=torch.int64)
         out.compact()
         return out
 
@@ -316,6 +317,9 @@ class SlotTableView:
     def __getattr__(self, name: str) -> torch.Tensor:
         if name in COLUMNS:
             return getattr(self._table_of(), name).clone()
+        if name == "chunk":  # the shard column's name before state format 3
+            warnings.warn("buf.slots.chunk is renamed buf.slots.shard", DeprecationWarning, stacklevel=2)
+            return self._table_of().shard.clone()
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: object) -> None:

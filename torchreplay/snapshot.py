@@ -2,8 +2,9 @@
 
 A state is read once (`BufferSnapshot.from_state`): its config by `BufferConfig.from_json`, its
 slot table and ledger by `LedgerState.parse`, so that everything that adopts a snapshot
-(`persistence.restore`) works on validated, typed parts. Written states are byte for byte what
-they were (format 2: `STATE_VERSION`); format 1 is still read."""
+(`persistence.restore`) works on validated, typed parts. States are written in format 3
+(`STATE_VERSION`); formats 1 and 2 are still read, their older key names mapped to today's in one
+place (`current_state`)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ if TYPE_CHECKING:
     from torchreplay.buffer import RolloutBuffer
 
 __all__ = ["BufferConfig", "BufferSnapshot", "ShardInfo", "ShardSource", "PackedShardSource", "FileShardSource",
-           "RemoteShardSource", "STATE_VERSION", "READABLE_STATE_VERSIONS"]
+           "RemoteShardSource", "STATE_VERSION", "READABLE_STATE_VERSIONS", "current_state"]
 
-STATE_VERSION = 2  # 2: the config records extra fields' specs and the sampler spec
-READABLE_STATE_VERSIONS = (1, 2)
+# 3: the slot table's shard column is "shard" and a state_dict's shard payloads "shards" (both
+# were "chunk"/"chunks"); 2: the config records extra fields' specs and the sampler spec.
+STATE_VERSION = 3
+READABLE_STATE_VERSIONS = (1, 2, 3)
 RNG_STATE_BYTES = torch.Generator().get_state().numel()  # a CPU generator's state
 
 
@@ -40,7 +43,7 @@ def check_int64(state: Mapping[str, Any]) -> None:
     `LedgerState.parse`, `BufferConfig`). The sampler's config and state are the sampler's own
     to validate (its constructor and `load_state_dict`): a live sampler may hold any int its
     constructor accepts, and its checkpoint must restore."""
-    parts = {k: v for k, v in state.items() if k not in ("sampler", "chunks")}
+    parts = {k: v for k, v in state.items() if k not in ("sampler", "shards")}
     if isinstance(parts.get("config"), Mapping):
         parts["config"] = {k: v for k, v in parts["config"].items() if k != "sampler"}
     stack: list[tuple[Any, str]] = [(parts, "state")]
@@ -52,6 +55,30 @@ def check_int64(state: Mapping[str, Any]) -> None:
             stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
         elif is_int(node) and not -(2**63) <= node < 2**63:
             raise ValueError(f"{path} = {node} does not fit int64")
+
+
+def current_state(state: Any) -> Mapping[str, Any]:
+    """`state` (a `state_dict()` or checkpoint state) under the key names of format
+    `STATE_VERSION`: the one place where older formats' names are mapped to today's. Formats 1 and
+    2 named the slot table's shard column "chunk" and a state_dict's shard payloads "chunks"; the
+    mapping renames only, so everything else is checked as in a format-3 state (a format-1 config
+    still records extra fields by name, `BufferConfig.from_json`). TypeError for a non-mapping,
+    ValueError naming a format_version this code does not read (one a newer torchreplay wrote)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    version = state.get("format_version")
+    if not is_int(version) or version not in READABLE_STATE_VERSIONS:
+        raise ValueError(f"state format_version {version!r} is not one this torchreplay reads "
+                         f"{READABLE_STATE_VERSIONS} (a newer torchreplay may have written it)")
+    if version == STATE_VERSION:
+        return state
+    renamed = dict(state)
+    if isinstance(state.get("table"), Mapping) and "chunk" in state["table"]:
+        table = state["table"]
+        renamed["table"] = {**{k: v for k, v in table.items() if k not in ("chunk", "shard")}, "shard": table["chunk"]}
+    if "chunks" in state:
+        renamed["shards"] = renamed.pop("chunks")
+    return renamed
 
 
 @dataclass(frozen=True)
@@ -74,7 +101,7 @@ class ShardSource(Protocol):
 
 @dataclass
 class PackedShardSource:
-    """A shard in memory (a `state_dict` chunk)."""
+    """A shard in memory (one of a `state_dict`'s "shards")."""
 
     batch: PackedBatch
 
@@ -141,11 +168,7 @@ class BufferSnapshot:
         """The snapshot a `state_dict()` or checkpoint state describes, every part checked
         (ValueError/TypeError naming the key) except the sampler's own state, which the sampler
         checks when a buffer adopts it. `extra_fields` supplies the specs a format-1 config lacks."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
-        if state.get("format_version") not in READABLE_STATE_VERSIONS:
-            raise ValueError(f"state format_version {state.get('format_version')!r} is not one of "
-                             f"{READABLE_STATE_VERSIONS}")
+        state = current_state(state)
         check_int64(state)
         config = BufferConfig.from_json(state.get("config"), extra_fields=extra_fields)
         # The table must hold exactly `capacity` slots before anything is built for that capacity:
@@ -159,7 +182,7 @@ class BufferSnapshot:
 
 def live_shards(slots: Any) -> tuple[list[int], list[int]]:
     """The shards holding live rollouts of a slot table (or `RolloutBuffer.slots`) and how many each holds."""
-    ids, rows = torch.unique(slots.chunk[slots.live], return_counts=True)
+    ids, rows = torch.unique(slots.shard[slots.live], return_counts=True)
     return ids.tolist(), rows.tolist()
 
 

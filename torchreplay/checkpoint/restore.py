@@ -267,7 +267,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     # schema is checked from the header before the file is read whole. No shard of the source holds
     # more rows than its slot table has slots.
     shard_fields = {k: v for k, v in buffer.settings.fields().items() if k not in TABLE_FIELDS}
-    max_rows = int(table["chunk"].numel())
+    max_rows = int(table["shard"].numel())
     # Sizes and headers first (stat/HEAD and ranged reads): a hostile shard is refused before it
     # is downloaded.
     metas = fetch_shard_metas(store, manifest, max_rows, shard_fields, convertible=True)
@@ -282,7 +282,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
                     shard = fmt.parse_shard(f.read(), max_rows=max_rows)
             except StorageError as exc:
                 raise CheckpointError(f"imported checkpoint shard {keys[sid]}: {exc}") from exc
-            slots = ((table["chunk"] == sid) & table["live"]).nonzero().flatten()
+            slots = ((table["shard"] == sid) & table["live"]).nonzero().flatten()
             if buffer.max_staleness is not None and slots.numel():
                 # Rollouts already past this buffer's staleness cap would be evicted on arrival:
                 # they are not imported (add() would refuse the whole shard for them).
@@ -327,6 +327,6 @@ def live_rows_from_version(store: ObjectStore, manifest: dict[str, Any], oldest_
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {store.uri}: {exc}") from exc
     keep = table["live"] & (table["policy_version"] >= oldest_version)
-    ids, counts = torch.unique(table["chunk"][keep], return_counts=True)
+    ids, counts = torch.unique(table["shard"][keep], return_counts=True)
     fresh = dict(zip(ids.tolist(), counts.tolist()))
     return [fresh.get(s["id"], 0) for s in manifest["shards"]]
