@@ -42,6 +42,13 @@ at 1M. Override with --capacity.
 
     python benchmarks/bench_buffer.py            # 8192 rollouts/step, B=8192 (~5-8 min on 2 cores)
     python benchmarks/bench_buffer.py --quick    # 1024 rollouts/step, B=1024, capacity 8192
+    python benchmarks/bench_buffer.py --dapo --contenders torchreplay --capacity 32768 --steps 16
+                                                 # issue 28: packed sample vs the ragged copy floor
+
+With the packed layout (default; --no-packed skips it), torchreplay's step also draws the same
+batch with layout="packed" and times a bare copy of that draw's ragged token bytes (the floor),
+reported as per-round ratios: the packed sample's and the padded one's to the floor, and the
+share of a --step-seconds step with packed output (add + packed sample + update + advance).
 
 Run TorchRL from a venv that has it (built as docs/benchmarks.md says, with benchmarks/setup_peers.sh):
     PYTHONPATH=. $BENCH_PY benchmarks/bench_buffer.py --quick
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import inspect
 import json
 import math
 import os
@@ -167,13 +175,19 @@ class TorchReplayContender:
         )
         self.gen = torch.Generator().manual_seed(cfg["seed"] + 7)
         self.reuse_output = cfg.get("reuse_output", True)
+        # The packed layout (issue 28) where this tree has it (a --baseline-tree may not).
+        self.packed = cfg.get("packed", True) and "layout" in inspect.signature(self.buf.sample).parameters
+        self.floor_out: dict[str, torch.Tensor] = {}
+        self.calls = 0
         self.note = (
             f"torchreplay.RolloutBuffer({cfg['capacity']}, PrioritizedSampler(alpha={cfg['alpha']}, "
             f"beta={cfg['beta']}, eps={cfg['eps']})), hot-only storage, overflow='evict_oldest'; "
             "add({'values', 'offsets'}) ragged fast path; "
             f"token_dtype={cfg.get('token_dtype', 'int64')}; "
             f"sample(B, reuse_output={cfg.get('reuse_output', True)}) -> padded ReplayBatch; "
-            "update_priorities(handles, A); advance(v)"
+            + ("the same draw again with layout='packed' -> PackedReplayBatch, and a bare copy of its "
+               "ragged token bytes (the floor); " if self.packed else "")
+            + "update_priorities(handles, A); advance(v)"
         )
 
     def add(self, d: dict[str, Any]) -> dict[str, float]:
@@ -200,6 +214,8 @@ class TorchReplayContender:
         return {"add": added, "add_copy_floor": floor}
 
     def sample_update(self, b: int, version: int, adv: torch.Tensor) -> tuple[dict[str, float], Any]:
+        if self.packed:
+            return self.sample_both_layouts(b, version, adv)
         t0 = time.perf_counter()
         batch = self.buf.sample(b, generator=self.gen, reuse_output=self.reuse_output)
         t1 = time.perf_counter()
@@ -209,6 +225,67 @@ class TorchReplayContender:
         t3 = time.perf_counter()
         shape = tuple(batch.tokens.shape)
         return {"sample": t1 - t0, "update": t2 - t1, "advance": t3 - t2}, (batch, shape)
+
+    def sample_both_layouts(self, b: int, version: int, adv: torch.Tensor) -> tuple[dict[str, float], Any]:
+        """The same draw (the generator's state put back in between) as a padded and as a packed
+        batch, and the floor for the packed one: a bare copy of the same ragged token bytes into warm
+        memory (outputs are reused across steps as `reuse_output` makes them). The floor sits between
+        the two samples, which alternate around it from step to step (padded, floor, packed; then
+        packed, floor, padded), so drift lands on both ratios alike."""
+        state = self.gen.get_state()
+        order = ("padded", "floor", "packed") if self.calls % 2 == 0 else ("packed", "floor", "padded")
+        self.calls += 1
+        times: dict[str, float] = {}
+        ragged = batch = None
+        for part in order:
+            if part == "floor":
+                outputs = [self.floor_output(name, values) for name, values in ragged.items()]  # not timed
+                t0 = time.perf_counter()
+                for out, values in zip(outputs, ragged.values()):
+                    out.copy_(values)
+                times["ragged_floor"] = time.perf_counter() - t0
+                continue
+            self.gen.set_state(state)
+            t0 = time.perf_counter()
+            out = self.buf.sample(b, generator=self.gen, reuse_output=self.reuse_output, layout=part)
+            times["sample" if part == "padded" else "sample_packed"] = time.perf_counter() - t0
+            if ragged is None:  # the floor's source: the draw's ragged bytes (not timed)
+                fields = ("tokens", "logprobs", "response_mask")
+                ragged = ({k: out.data[k] for k in fields} if part == "packed"
+                          else {k: out.data[k][out.attention_mask] for k in fields})
+            if part == "padded":
+                shape = tuple(out.tokens.shape)
+            else:
+                batch = out
+        times["packed_tokens"] = batch.num_tokens
+        times["ragged_bytes"] = sum(v.numel() * v.element_size() for v in ragged.values())
+        t0 = time.perf_counter()
+        self.buf.update_priorities(batch.handles, adv)
+        t1 = time.perf_counter()
+        self.buf.advance(version)
+        t2 = time.perf_counter()
+        times.update(update=t1 - t0, advance=t2 - t1)
+        return times, (batch, shape)
+
+    def warm_up(self, b: int) -> None:
+        """After the fill, not timed: one draw in each layout and the floor's destinations, so the
+        rounds measure reused outputs as a training loop meets them after its first step (an output
+        still grows when a later draw holds more tokens than any before, and that is timed)."""
+        if not self.packed:
+            return
+        gen = torch.Generator().manual_seed(12345)
+        for layout in ("padded", "packed"):
+            batch = self.buf.sample(b, generator=gen, reuse_output=self.reuse_output, layout=layout)
+        for name in ("tokens", "logprobs", "response_mask"):
+            self.floor_output(name, batch.data[name])
+
+    def floor_output(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A warm destination for the floor's copy of `like` (grown when a draw holds more tokens)."""
+        out = self.floor_out.get(name)
+        if out is None or out.numel() < like.numel():
+            out = self.floor_out[name] = torch.empty(int(like.numel() * 1.1), dtype=like.dtype)
+            out.fill_(0)  # fault its pages in now, as reuse_output's arenas are after their first use
+        return out[: like.numel()].view(like.shape)
 
     def advance_only(self, version: int) -> None:
         self.buf.advance(version)
@@ -323,6 +400,9 @@ class Worker:
             del d
             print(f"[bench_buffer:{self.name}] fill step {self.src.step}: add {self.fill_records[-1]['add']:.3f}s, "
                   f"size {self.contender.size()}", file=sys.stderr, flush=True)
+        warm_up = getattr(self.contender, "warm_up", None)
+        if warm_up is not None:
+            warm_up(self.cfg["batch_size"])
         return {"size": self.contender.size()}
 
     def step(self) -> dict[str, float]:
@@ -333,10 +413,15 @@ class Worker:
         times, (batch, self.shape) = self.contender.sample_update(self.cfg["batch_size"], self.src.step, adv)
         del batch  # freeing the padded batch is not timed
         rec.update(times)
-        rec["sample_update"] = sum(v for k, v in times.items())
+        # The packed run's extra parts (its sample, the floor, sizes) are reported on their own.
+        packed_parts = ("sample_packed", "ragged_floor", "packed_tokens", "ragged_bytes")
+        rec["sample_update"] = sum(v for k, v in times.items() if k not in packed_parts)
         rec["total"] = rec["add"] + rec["sample_update"]  # the copy floor is a reference, not a cost
+        if "sample_packed" in times:
+            rec["total_packed"] = rec["add"] + times["sample_packed"] + times["update"] + times["advance"]
         rec["load"] = os.getloadavg()[0]
-        print(f"[bench_buffer:{self.name}] step {self.src.step}: " + ", ".join(f"{k} {v:.3f}s" for k, v in rec.items())
+        print(f"[bench_buffer:{self.name}] step {self.src.step}: "
+              + ", ".join(f"{k} {int(v)}" if k in packed_parts[2:] else f"{k} {v:.3f}s" for k, v in rec.items())
               + f"; batch {list(self.shape)}", file=sys.stderr, flush=True)
         return rec
 
@@ -505,6 +590,32 @@ def spread(values: list[float], fmt: str = "{:.2f}") -> tuple[str, str, str]:
     return f(statistics.median(values)), f"{f(q1)}-{f(q3)}", f"{f(min(values))}-{f(max(values))}"
 
 
+def packed_section(steps: list[dict[str, float]], step_s: float) -> list[str]:
+    """The packed layout (issue 28 item 5): the packed sample and the padded one against the floor
+    measured in the same rounds, and the buffer's share of an RL step with packed output."""
+    ragged_gb, tokens = med(steps, "ragged_bytes") / 1e9, med(steps, "packed_tokens")
+    lines = ["", "## Packed layout: sample against the ragged copy floor", "",
+             f"The same draw (B rows, median {tokens / 1e6:.1f} M tokens, {ragged_gb:.2f} GB of ragged token "
+             "bytes) as a packed batch (`layout=\"packed\"`: flat tokens, logprobs, response_mask, plus "
+             "cu_seqlens and position_ids) and as a padded one, and the floor: a bare copy of the same ragged "
+             "bytes into warm memory, timed between the two samples (which alternate around it). Ratios: "
+             "median of the per-round ratios to that round's floor.", "",
+             "| per step | seconds (median) | / ragged copy floor | ratio IQR | ratio min-max |",
+             "|---|---:|---:|---:|---:|"]
+    for label, key in (("ragged copy floor", "ragged_floor"), ("sample, layout=\"packed\"", "sample_packed"),
+                       ("sample, layout=\"padded\"", "sample")):
+        ratio = spread(per_round(steps, key, steps, "ragged_floor"))
+        lines.append(f"| {label} | {fmt_s(med(steps, key))} | {ratio[0]}x | {ratio[1]}x | {ratio[2]}x |")
+    packed_ratio = statistics.median(per_round(steps, "sample_packed", steps, "ragged_floor"))
+    share = spread([100 * v / step_s for v in per_round(steps, "total_packed")], "{:.3f}")
+    lines += ["", f"Packed sample within 2x of the floor: {'met' if packed_ratio <= 2 else '**not met**'} "
+              f"({packed_ratio:.2f}x).", "",
+              f"**torchreplay's share of a {step_s:.0f} s RL step with packed output (add + packed sample + "
+              f"update + advance): {share[0]}%** (median over rounds; IQR {share[1]}%, range {share[2]}%); "
+              f"target <= 0.5%: {'met' if float(share[0]) <= 0.5 else '**not met**'}."]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     res = report["results"]
     tr_, rl = res.get("torchreplay"), res.get("torchrl")
@@ -551,6 +662,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"IQR {share[1]}%, range {share[2]}%)" + (
                       f"; target <= 1%: {'met' if float(share[0]) <= 1 else '**not met**'}." if name == "torchreplay"
                       else ".")]
+    if tr_ and med(tr_["steps"], "sample_packed"):
+        lines += packed_section(tr_["steps"], step_s)
     base = res.get(BASELINE)
     if tr_ and base:
         lines += ["", f"## torchreplay against {BASELINE} ({report['config'].get('baseline_tree')})", "",
@@ -605,7 +718,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             "outside the timed region). Each buffer is first filled to capacity with add-only steps ('fill', "
             "one contender at a time); timed steps then evict the oldest rollouts. torchreplay's "
             "sample+update includes advance(); TorchRL has no equivalent. The padded batch is freed outside "
-            "the timed region."
+            "the timed region. With the packed measurements, torchreplay draws once in each layout after "
+            "the fill (not timed), so the rounds meet its reused outputs warm, as a training loop does "
+            "after its first step."
         ),
         "",
     ]
@@ -618,14 +733,19 @@ def render_markdown(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1024 rollouts/step, B=1024, capacity <= 8192")
+    p.add_argument("--dapo", action="store_true",
+                   help="DAPO scale (issue 28): 8192 rollouts/step of a 1024-token prompt + lognormal response "
+                   "(mean 2048, CV 1, cap 10240), ~40 KB ragged each, padded batches ~1.3 GB")
+    p.add_argument("--no-packed", action="store_true",
+                   help="skip the packed-layout measurements (the same draw with layout='packed' and the floor)")
     p.add_argument("--rollouts-per-step", type=int, help="fresh rollouts added per step (default 8192; quick 1024)")
     p.add_argument("--batch-size", type=int, help="rollouts sampled per step (default: rollouts per step)")
     p.add_argument("--capacity", type=int, help="buffer slots for both contenders (default: largest that fits)")
     p.add_argument("--steps", type=int, help="rounds after the fill: one timed step per contender each (default 8)")
     p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--mean-response", type=int, default=4000)
+    p.add_argument("--mean-response", type=int, default=None, help="default 4000 (2048 with --dapo)")
     p.add_argument("--response-cv", type=float, default=1.0, help="coefficient of variation of response length")
-    p.add_argument("--max-response", type=int, default=16000)
+    p.add_argument("--max-response", type=int, default=None, help="default 16000 (10240 with --dapo)")
     p.add_argument("--group", type=int, default=16, help="rollouts per prompt (GRPO group)")
     p.add_argument("--token-dtype", choices=["int64", "int32"], default="int64",
                    help="torchreplay's stored/returned token dtype (TorchRL keeps the input's int64)")
@@ -641,7 +761,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline-tree", help=f"a torchreplay source tree with its extension built in place: the "
                    f"{BASELINE} contender (e.g. git worktree add /tmp/base OLD_COMMIT)")
     p.add_argument("--out", type=Path, help="Markdown output, JSON written next to it (default "
-                   "benchmarks/results/bench_buffer.md, or bench_buffer_quick.md with --quick)")
+                   "benchmarks/results/bench_buffer.md; bench_buffer_quick.md with --quick, bench_buffer_dapo.md with "
+                   "--dapo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker command (the fill, one step)")
     p.add_argument(
@@ -654,8 +775,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.mean_response is None:
+        args.mean_response = 2048 if args.dapo else 4000
+    if args.max_response is None:
+        args.max_response = 10240 if args.dapo else 16000
     if args.out is None:
-        args.out = DEFAULT_OUT.with_name("bench_buffer_quick.md") if args.quick else DEFAULT_OUT
+        args.out = DEFAULT_OUT.with_name("bench_buffer_quick.md" if args.quick else
+                                         "bench_buffer_dapo.md" if args.dapo else DEFAULT_OUT.name)
     if args.contenders is None:
         args.contenders = list(CONTENDERS) + ([BASELINE] if args.baseline_tree else [])
     if set(args.contenders) - set(CONTENDER_CLASSES):
@@ -728,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         "group": args.group,
         "token_dtype": args.token_dtype,
         "reuse_output": not args.no_reuse_output,
+        "packed": not args.no_packed,
         "alpha": args.alpha,
         "beta": args.beta,
         "eps": args.eps,
