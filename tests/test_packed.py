@@ -159,22 +159,23 @@ def test_pack_rows_copies_each_row_to_its_offset_and_checks_everything_before_wr
 @pytest.mark.parametrize("case", list(STORAGE))
 def test_sample_packed_is_the_padded_batch_without_its_padding(tmp_path, case, side):
     """Every row source (hot copies, cold reads, device-tier copies, staged cold reads, and their
-    mixes), both padding sides, shards with and without the optional field. Mutations seen
-    failing: position_ids counted over the whole batch (no restart), the missing optional field's
-    rows not zeroed (the reused arena still holds the previous batch's values there), cu_seqlens
-    from the row starts shifted by one row."""
+    mixes), both padding sides, shards with and without the optional field. Mutations of
+    packed.py seen failing here: position_ids counted over the whole batch (no restart), the rows
+    lacking the optional field not zeroed, cu_seqlens shifted by one row, the device path taking
+    its device rows as the whole field when some rows lack the field ("device-only"), and
+    `to_padded` padding tokens with 0 instead of pad_token_id."""
     padded_buf, packed_buf = twins(tmp_path, side, case)
     device = "cpu" if STORAGE[case] and "device" in STORAGE[case] else None
-    for seed in range(3):
+    for seed in range(2):
         padded = padded_buf.sample(40, device=device, generator=gen(seed))
         packed = packed_buf.sample(40, device=device, generator=gen(seed), layout="packed")
         assert_matches(padded, packed, side)
     # Reused outputs: the arenas hold the last batch's values; every element must be rewritten.
-    for seed in range(3, 6):
+    for seed in range(2, 4):
         padded = padded_buf.sample(40, device=device, generator=gen(seed), reuse_output=True)
         packed = packed_buf.sample(40, device=device, generator=gen(seed), reuse_output=True, layout="packed")
         assert_matches(padded, packed, side)
-    assert padded_buf.metrics()["sampled_replay"] == packed_buf.metrics()["sampled_replay"] == 240
+    assert padded_buf.metrics()["sampled_replay"] == packed_buf.metrics()["sampled_replay"] == 160
 
 
 def test_missing_optional_field_rows_are_zero_in_the_packed_batch(tmp_path):
