@@ -288,3 +288,28 @@ def test_token_budget_calls_have_no_length_bias_in_use_counts():
     deviation = counts - counts.mean(1, keepdim=True)
     z = deviation.mean(0) / (deviation.std(0) / 400 ** 0.5)
     assert float(z.abs().max()) < Z_LIMIT, z
+
+
+# ------------------------------------------------------------------------------- the packed layout
+def test_packed_token_budget_batches_are_the_padded_ones():
+    """sample(max_tokens) and compose(fresh, max_tokens) with layout="packed" draw exactly the rows
+    the padded layout draws from the same seed, and cu_seqlens[-1] (the batch's tokens) stays within
+    the budget: the budget counts the tokens a packed batch holds."""
+    pair = [tr.RolloutBuffer(128, max_reuse=3, seed=0) for _ in range(2)]
+    for buf in pair:
+        buf.add(make_batch(100, seed=1, min_len=2, max_len=40))
+    padded_buf, packed_buf = pair
+    for step, max_tokens in enumerate((50, 333, 1000), start=1):
+        padded = padded_buf.sample(max_tokens=max_tokens, generator=torch.Generator().manual_seed(step))
+        packed = packed_buf.sample(max_tokens=max_tokens, generator=torch.Generator().manual_seed(step), layout="packed")
+        assert torch.equal(packed.handles.slot, padded.handles.slot) and torch.equal(packed.weights, padded.weights)
+        assert int(packed.cu_seqlens[-1]) == int(stored_lengths(padded).sum()) <= max_tokens
+        assert torch.equal(packed.tokens, padded.tokens[padded.attention_mask])
+        fresh = make_batch(6, version=step, seed=20 + step, min_len=2, max_len=30)
+        budget_tokens = sum(len(t) for t in fresh["tokens"]) + max_tokens
+        padded = padded_buf.compose(fresh, max_tokens=budget_tokens, generator=torch.Generator().manual_seed(step))
+        packed = packed_buf.compose(fresh, max_tokens=budget_tokens, generator=torch.Generator().manual_seed(step),
+                                    layout="packed")
+        assert torch.equal(packed.is_fresh, padded.is_fresh) and int(packed.is_fresh.sum()) == 6
+        assert torch.equal(packed.handles.slot, padded.handles.slot)
+        assert int(packed.cu_seqlens[-1]) == int(stored_lengths(padded).sum()) <= budget_tokens
