@@ -75,7 +75,7 @@ class RolloutBuffer:
         self.fields: dict[str, FieldSpec] = self._settings.fields()
         self.sampler = sampler
         self.ledger = Ledger(capacity, sampler, max_staleness, max_reuse)
-        self.shards = ShardKeeper(storage if storage is not None else TieredStorage())
+        self.keeper = ShardKeeper(storage if storage is not None else TieredStorage())
         self.assembler = BatchAssembler(self.storage, self.fields, padding_side, pad_token_id, LAYOUTS)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
@@ -94,8 +94,8 @@ class RolloutBuffer:
     max_reuse = property(lambda self: self._settings.max_reuse,
                          lambda self, value: self._set_caps(self.max_staleness, value),
                          doc="The reuse cap (times returned); may be changed between calls.")
-    storage = property(lambda self: self.shards.storage)
-    checkpointer = property(lambda self: self.shards.checkpointer,
+    storage = property(lambda self: self.keeper.storage)
+    checkpointer = property(lambda self: self.keeper.checkpointer,
                             doc="Where shards and manifests go (None: no checkpoints); see `attach_checkpointer`.")
     slots = property(lambda self: SlotTableView(self.ledger),
                      doc="A read-only view of the slot table (per-slot metadata; columns come back as copies).")
@@ -131,7 +131,7 @@ class RolloutBuffer:
         with self.storage.host_pool.tentative():
             packed = self._validate(batch)
             self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
-            self.shards.tick()
+            self.keeper.tick()
             return self._insert(packed)
 
     def _validate(self, batch: Any) -> PackedBatch:
@@ -149,12 +149,12 @@ class RolloutBuffer:
     def _insert(self, packed: PackedBatch) -> Handles:
         """Store `packed`: write its shard first (the step that can fail on I/O), then commit it
         to the ledger, which undoes itself if a hook fails; the shard goes again in that case."""
-        shard = self.shards.put(PackedBatch(n=packed.n, offsets=packed.offsets, token=packed.token,
+        shard = self.keeper.put(PackedBatch(n=packed.n, offsets=packed.offsets, token=packed.token,
                                             rollout={k: v for k, v in packed.rollout.items() if k not in TABLE_FIELDS}))
         try:
             slots, released = self.ledger.insert(packed.rollout, packed.n, shard, self.overflow == "evict_oldest")
         except BaseException:
-            self.shards.release(shard, packed.n)
+            self.keeper.release(shard, packed.n)
             raise
         self._release(released)
         return Handles(slots, self.ledger.slots.generation[slots].clone())
@@ -169,10 +169,10 @@ class RolloutBuffer:
         if not self.version <= policy_version < MAX_VERSION:
             raise ValueError(f"policy_version must not go backwards and must be < 2**62: {policy_version}, "
                              f"current {self.version}")
-        self.shards.tick()
+        self.keeper.tick()
         # Compaction first: it moves rows between shards but changes nothing a caller can see, so
         # an I/O error from it leaves the version where it was.
-        self.shards.compact(self.ledger.slots, self._evict_corrupt_quietly)
+        self.keeper.compact(self.ledger.slots, self._evict_corrupt_quietly)
         evicted, released = self.ledger.advance(policy_version)
         self._release(released)
         return evicted
@@ -184,7 +184,7 @@ class RolloutBuffer:
             pass  # counted; the caller (compaction) goes on with the other shards
 
     def _release(self, released: Released) -> None:
-        self.shards.release_all(released)
+        self.keeper.release_all(released)
 
     # ---------------------------------------------------------------------------------- sampling
     def sample(self, batch_size: int | None = None, device: torch.device | str | None = None,
@@ -216,7 +216,7 @@ class RolloutBuffer:
         self.assembler.check_request(device, layout)
         if len(self) == 0:
             raise ValueError("cannot sample: the buffer is empty")
-        self.shards.tick()
+        self.keeper.tick()
         generator = generator if generator is not None else self.generator
         state = generator.get_state()
         slots, weights = budget.draw(self.ledger, self.storage, size, generator, torch.empty(0, dtype=torch.int64),
@@ -312,7 +312,7 @@ class RolloutBuffer:
         packed = self._validate(fresh)
         count = budget.replay_size(packed.n, int(packed.offsets[-1]), replay_ratio, n_replay, multiple_of, max_tokens)
         self.ledger.check_admissible(packed.rollout["policy_version"], self.overflow == "raise")
-        self.shards.tick()
+        self.keeper.tick()
         generator = generator if generator is not None else self.generator
         version = max(self.version, int(packed.rollout["policy_version"].max()))
         state, old_version = generator.get_state(), self.version
@@ -403,15 +403,16 @@ class RolloutBuffer:
         return persistence.snapshot_of(self._settings, self.ledger, self.generator)
 
     @classmethod
-    def from_snapshot(cls, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource],
+    def from_snapshot(cls, snapshot: BufferSnapshot, sources: Mapping[int, ShardSource],
                       sampler: Sampler | None = None, storage: TieredStorage | None = None,
                       **overrides: Any) -> "RolloutBuffer":
-        """A new buffer holding `snapshot` (shards: id -> ShardSource); `overrides` replace non-layout settings."""
-        return persistence.rebuild(cls, snapshot, shards, sampler, storage, overrides)
+        """A new buffer holding `snapshot` (its shards from `sources`: id -> ShardSource); `overrides` replace
+        non-layout settings."""
+        return persistence.rebuild(cls, snapshot, sources, sampler, storage, overrides)
 
-    def restore_snapshot(self, snapshot: BufferSnapshot, shards: Mapping[int, ShardSource]) -> None:
+    def restore_snapshot(self, snapshot: BufferSnapshot, sources: Mapping[int, ShardSource]) -> None:
         """Replace this buffer's state by `snapshot` in place, all-or-nothing (`load_state_dict`)."""
-        persistence.restore(snapshot, shards, self._settings, self.ledger, self.shards, self.generator)
+        persistence.restore(snapshot, sources, self._settings, self.ledger, self.keeper, self.generator)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain Python values (no pickle)."""
@@ -451,17 +452,17 @@ class RolloutBuffer:
 
     def attach_checkpointer(self, checkpointer: ShardListener, durable: dict[int, str] | None = None) -> None:
         """Checkpoint through `checkpointer` from now on; `durable`: shard id -> key already stored there."""
-        persistence.attach_checkpointer(self.shards, checkpointer, self, live_shards(self.ledger.slots)[0], durable)
+        persistence.attach_checkpointer(self.keeper, checkpointer, self, live_shards(self.ledger.slots)[0], durable)
 
     def detach_checkpointer(self) -> ShardListener | None:
         """Stop checkpointing; returns the checkpointer (not closed) or None."""
-        return persistence.detach_checkpointer(self.shards)
+        return persistence.detach_checkpointer(self.keeper)
 
     # ---------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish background work (spills, prefetch), publish a final checkpoint, release files."""
         self.assembler.close()
-        self.shards.close()
+        self.keeper.close()
 
     def __enter__(self) -> "RolloutBuffer":
         return self
