@@ -47,8 +47,12 @@ def rollouts(i: int, n: int = 24) -> dict:
     return batch
 
 
-def make_buffer(tmp_path, name: str, side: str = "right", case: str = "hot", batches: int = 6) -> tr.RolloutBuffer:
+def make_buffer(tmp_path, name: str, side: str = "right", case: str = "hot", batches: int = 6,
+                device: str | None = None) -> tr.RolloutBuffer:
+    """`device`: the storage's device instead of the case's ("cuda" for the CUDA variants)."""
     kw = dict(STORAGE[case] or {})
+    if device is not None:
+        kw["device"] = device
     if kw.pop("spill", False):
         kw.update(spill_dir=tmp_path / name, io="posix")
     buf = tr.RolloutBuffer(256, sampler=tr.PrioritizedSampler(alpha=0.7), padding_side=side, pad_token_id=-3,
@@ -60,8 +64,9 @@ def make_buffer(tmp_path, name: str, side: str = "right", case: str = "hot", bat
     return buf
 
 
-def twins(tmp_path, side: str = "right", case: str = "hot"):
-    return make_buffer(tmp_path, "padded", side, case), make_buffer(tmp_path, "packed", side, case)
+def twins(tmp_path, side: str = "right", case: str = "hot", device: str | None = None):
+    return (make_buffer(tmp_path, "padded", side, case, device=device),
+            make_buffer(tmp_path, "packed", side, case, device=device))
 
 
 def gen(seed: int) -> torch.Generator:
@@ -189,6 +194,25 @@ def test_missing_optional_field_rows_are_zero_in_the_packed_batch(tmp_path):
     assert bool(without.any()) and bool((~without).any())
     rows = batch.row_of_token()
     assert bool((batch.tool[without[rows]] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["device-only", "device+host", "device+staged"])
+def test_cuda_packed_batches_match_the_padded_ones(tmp_path, case):
+    """The CUDA device tier (VRAM copies, pinned host staging, staged cold reads) and the prefetch
+    stream's hand-over (`sample_async`, `prefetching`): every tensor of a packed batch, the
+    layout's own included, is on the GPU and equal to the padded batch's rows."""
+    padded_buf, packed_buf = twins(tmp_path, "left", case, device="cuda")
+    for seed in range(2):
+        padded = padded_buf.sample(40, device="cuda", generator=gen(seed)).to("cpu")
+        packed = packed_buf.sample(40, device="cuda", generator=gen(seed), layout="packed")
+        assert all(t.is_cuda for t in (*packed.data.values(), packed.cu_seqlens, packed.position_ids))
+        assert_matches(padded, packed.to("cpu"), "left")
+    g_padded, g_packed = gen(7), gen(7)
+    pending = packed_buf.sample_async(24, device="cuda", generator=g_packed, layout="packed")
+    assert_matches(padded_buf.sample(24, generator=g_padded), pending.result().to("cpu"), "left")
+    for batch in packed_buf.prefetching(24, steps=2, device="cuda", generator=g_packed, layout="packed"):
+        assert_matches(padded_buf.sample(24, generator=g_padded), batch.to("cpu"), "left")
 
 
 # -------------------------------------------------------------------------- compose, gather
