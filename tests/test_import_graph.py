@@ -12,6 +12,7 @@ PACKAGE = pathlib.Path(torchreplay.__file__).parent
 LAYERS = [
     ("entry points", {"torchreplay.cli", "torchreplay.__main__", "torchreplay.demo"}),
     ("framework adapters", {"torchreplay.integrations"}),
+    ("replay rules", {"torchreplay.rules"}),
     ("distributed", {"torchreplay.distributed"}),
     ("checkpoint", {"torchreplay.checkpoint"}),
     ("buffer", {"torchreplay.buffer", "torchreplay.snapshot", "torchreplay.shards", "torchreplay.ledger",
