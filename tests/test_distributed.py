@@ -125,7 +125,7 @@ def _job_main(rank: int, world: int, out: dict) -> None:
     # -- global mode: frequencies, payload integrity, IS weights --------------------------------
     buf = DistributedRolloutBuffer(mode="global", capacity=32, sampler=sampler())
     buf.add(data[rank])
-    stats_ = buf.shard_stats()
+    stats_ = buf.rank_stats()
     out["stats_count"] = stats_.count.tolist()
     out["stats_total"] = stats_.total.tolist()
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -927,14 +927,14 @@ def test_an_owners_draws_at_positions_keep_every_reuse_budget():
         tr.RolloutBuffer(capacity=2, sampler=tr.GroupSampler()).draw_at(torch.tensor([0.5], dtype=torch.float64))
 
 
-def test_shard_row_reads_samplers_through_the_protocol():
-    """The shard table row (`stats.shard_row`): a `ProportionalSampler` gives its mass and beta;
+def test_rank_row_reads_samplers_through_the_protocol():
+    """The rank table row (`stats.rank_row`): a `ProportionalSampler` gives its mass and beta;
     a sampler outside the protocol (GroupSampler: no beta, no mass) counts its rollouts with beta
-    0, the protocol's documented default. Fails if shard_row reads `beta` off any sampler
+    0, the protocol's documented default. Fails if rank_row reads `beta` off any sampler
     (GroupSampler has none: AttributeError) or ignores a proportional sampler's mass."""
     import torchreplay as tr
     from rollouts import make_batch
-    from torchreplay.distributed.stats import BETA, COUNT, MIN, OK, SHIFT, TOTAL, VERSION, shard_row
+    from torchreplay.distributed.stats import BETA, COUNT, MIN, OK, SHIFT, TOTAL, VERSION, rank_row
     from torchreplay.samplers import ProportionalSampler
 
     assert isinstance(tr.PrioritizedSampler(), ProportionalSampler) and isinstance(tr.PNewestSampler(),
@@ -942,10 +942,10 @@ def test_shard_row_reads_samplers_through_the_protocol():
     assert not isinstance(tr.GroupSampler(), ProportionalSampler)
     per = tr.RolloutBuffer(capacity=4, sampler=tr.PrioritizedSampler(alpha=1.0, beta=0.25, eps=0.5))
     per.add(make_batch(2, version=3, advantage=torch.tensor([1.0, -2.5])))
-    row = shard_row(per, 8, True, 0.5)
+    row = rank_row(per, 8, True, 0.5)
     assert row[COUNT] == 2 and row[TOTAL] == pytest.approx(1.5 + 3.0) and row[MIN] == pytest.approx(1.5)
     assert row[BETA] == 0.25 and row[OK] == 1 and row[SHIFT] == 0.5 and row[VERSION] == 3
     grouped = tr.RolloutBuffer(capacity=4, sampler=tr.GroupSampler())
     grouped.add(make_batch(3))
-    row = shard_row(grouped, 8, False, 0.0)
+    row = rank_row(grouped, 8, False, 0.0)
     assert row[COUNT] == 3 and row[TOTAL] == 3 and row[MIN] == 1 and row[BETA] == 0 and row[OK] == 0

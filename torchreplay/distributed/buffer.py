@@ -1,18 +1,18 @@
-"""DistributedRolloutBuffer: one `RolloutBuffer` shard per rank over `torch.distributed`.
+"""DistributedRolloutBuffer: one `RolloutBuffer` per rank (its rank buffer) over `torch.distributed`.
 
 Rollouts are added on the rank that generated them and never move at insertion. Two ways to sample:
 
-- ``mode="local"``: each rank samples its own shard; no rollout bytes move. One all_reduce per
-  `sample` call shares every shard's (count, total priority, min priority) so the IS weights are
+- ``mode="local"``: each rank samples its own buffer; no rollout bytes move. One all_reduce per
+  `sample` call shares every rank buffer's (count, total priority, min priority) so the IS weights are
   normalized over the whole job (see "IS weights" below).
-- ``mode="global"``: exact prioritized sampling over the union of all shards. Each rank receives
+- ``mode="global"``: exact prioritized sampling over the union of all rank buffers. Each rank receives
   `batch_size` rollouts; together the ranks hold one stratified global batch of
   `batch_size * world_size` draws with P(i) = p_i / sum over every rank of p_j.
 
 Protocol of a global `sample` (collectives in this order, on every rank):
 
 1. all_reduce of a [world, 8] float64 table (`stats`): every rank fills its own row (count,
-   total, min priority, beta, batch size, arguments-ok, on rank 0 a random shift, and the shard's
+   total, min priority, beta, batch size, arguments-ok, on rank 0 a random shift, and the buffer's
    policy version). It also carries argument checks, so bad input on one rank raises on
    every rank instead of leaving the others waiting in the next collective. If the versions differ
    (a rank added newer rollouts), every rank advances to the newest and the table is exchanged
@@ -21,25 +21,25 @@ Protocol of a global `sample` (collectives in this order, on every rank):
    strata k * W + r (k = 0..B-1), draws its position inside each from its own `generator`, and every
    point is rotated by a shift s in [0, T) that rank 0 draws from its generator and shares in the
    step-1 table. The union is a stratified sample of the whole mass; each rank's share is spread
-   over the whole mass (a contiguous slice would hand rank 0 mostly its own shard), and the shared
+   over the whole mass (a contiguous slice would hand rank 0 mostly its own buffer), and the shared
    rotation makes each rank's expected counts exact too (without it, rank r would be biased by
    O(1 / B) towards the start of each block of W strata). Distinct strata mean identical seeds on
    all ranks are fine; seed every rank's generator for reproducibility.
 3. all_to_all of request counts, then all_to_all of the requests: the position within the owner's
    total as a fraction in [0, 1) (float64).
 4. The owner draws at those positions within every rollout's reuse budget
-   (`RolloutBuffer.draw_at`: draws past a budget are redrawn from the owner's shard), counts the
+   (`RolloutBuffer.draw_at`: draws past a budget are redrawn from the owner's buffer), counts the
    use (reuse cap and eviction apply on the owner, after the payload is read), and answers with
    one all_to_all of one byte row per rollout and one all_to_all per token field (`wire`).
 5. The receiver pads to its batch's longest rollout and restores stratum order.
 
 IS weights. In global mode P(i) = p_i / T, so w_i = (N P(i)) ** -beta / max_j (N P(j)) ** -beta
 = (p_i / p_min) ** -beta (N and T cancel), with p_min the smallest live priority on any rank. In
-local mode a rank draws from its own shard, so rollout i of rank r is drawn with probability
+local mode a rank draws from its own buffer, so rollout i of rank r is drawn with probability
 p_i / (W * T_r): the weights use that, normalized by the smallest such probability over all ranks:
-w_i = ((p_i / T_r) / min_s(p_min_s / T_s)) ** -beta. When all shards have the same total this is
+w_i = ((p_i / T_r) / min_s(p_min_s / T_s)) ** -beta. When all rank buffers have the same total this is
 (p_i / p_min_global) ** -beta; when they do not, it still corrects the over-sampling of small
-shards, which the plain global-min formula would not. Weights are <= 1. `beta` must agree on
+rank buffers, which the plain global-min formula would not. Weights are <= 1. `beta` must agree on
 every rank (checked each call); a sampler outside the `ProportionalSampler` protocol counts as
 beta 0.
 
@@ -50,6 +50,7 @@ collectives). Checkpoints: see `generations`.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,8 @@ from torchreplay.checks import is_int
 from torchreplay.distributed.comm import Comm, fingerprint, ranks_differing
 from torchreplay.distributed.generations import (check_checkpoint_args, discard, import_share, newest_complete_generation,
                                                  rank_uri, restore_rank, start_generation)
-from torchreplay.distributed.stats import (BATCH, BETA, COUNT, MIN, OK, SHIFT, TOTAL, VERSION, ShardStats,
-                                           job_metrics, shard_row)
+from torchreplay.distributed.stats import (BATCH, BETA, COUNT, MIN, OK, SHIFT, TOTAL, VERSION, RankStats,
+                                           ShardStats, job_metrics, rank_row)
 from torchreplay.distributed.wire import WireFormat
 from torchreplay.errors import CheckpointError, ReplayError
 from torchreplay.samplers import ProportionalSampler
@@ -118,29 +119,29 @@ def check_update(handles: Handles, advantages: torch.Tensor, rank: int, world: i
 
 
 class DistributedRolloutBuffer:
-    """A `RolloutBuffer` shard on every rank of `process_group`, sampled locally or globally.
+    """A `RolloutBuffer` on every rank of `process_group` (its rank buffer), sampled locally or globally.
 
     Collectives (call them on every rank of the group, in the same order): the constructor,
-    `from_checkpoint`, `checkpoint`, `sample`, `shard_stats`, `advance`, `metrics(global_=True)`,
+    `from_checkpoint`, `checkpoint`, `sample`, `rank_stats`, `advance`, `metrics(global_=True)`,
     and `update_priorities` in global mode. `add`, `len()`, `metrics()` and `close()` are local.
 
     Args:
         process_group: the group to run over (None: the default group). Its `timeout` bounds how long
             a call waits for a dead or stalled peer before raising `ReplayError`.
-        mode: "local" (sample the own shard, weights normalized globally, no payload traffic) or
-            "global" (exact prioritized sampling over all shards; payloads move by all_to_all).
+        mode: "local" (sample the own buffer, weights normalized globally, no payload traffic) or
+            "global" (exact prioritized sampling over all rank buffers; payloads move by all_to_all).
         checkpoint_uri: run prefix ("file:///abs/path" or "s3://bucket/prefix") under which every
-            rank checkpoints its shard (layout in `torchreplay.distributed.generations`); None: no
+            rank checkpoints its buffer (layout in `torchreplay.distributed.generations`); None: no
             checkpoints. A prefix that already holds a complete checkpoint is refused: resume it
             with `from_checkpoint`.
         checkpoint_interval_s: seconds between each rank's automatic background manifests
             (checked on buffer calls); `checkpoint()` publishes on every rank at once.
         endpoint_url: S3 endpoint for `checkpoint_uri` (else AWS_ENDPOINT_URL / the AWS config).
-        buffer: this rank's shard, a built `RolloutBuffer` without a checkpointer (instead of
+        buffer: this rank's buffer, a built `RolloutBuffer` without a checkpointer (instead of
             `buffer_kwargs`); it is this object's from now on. Its configuration must be the same
             on every rank (checked).
         generation: with `checkpoint_uri`, keep checkpointing in this existing generation instead
-            of starting a new one (what `from_checkpoint` passes; a shard without a checkpointer
+            of starting a new one (what `from_checkpoint` passes; a buffer without a checkpointer
             gets one there and every rank publishes once).
         **buffer_kwargs: passed to the local `RolloutBuffer` (capacity, sampler, max_staleness, ...).
             Must be the same on every rank (checked at construction). Global mode needs a
@@ -217,7 +218,7 @@ class DistributedRolloutBuffer:
 
     def _exchange(self, step: str, batch_size: int, error: str | None, shift: float = 0.0) -> torch.Tensor:
         """Step 1 of the protocol. Raises on every rank when any rank's arguments were bad."""
-        rows = self.comm.gather_rows(step, shard_row(self.buffer, batch_size if error is None else 0, error is None,
+        rows = self.comm.gather_rows(step, rank_row(self.buffer, batch_size if error is None else 0, error is None,
                                                      shift))
         if error is not None:
             raise ValueError(error)
@@ -226,10 +227,15 @@ class DistributedRolloutBuffer:
             raise ReplayError(f"rank {self.rank}: {step} aborted because rank(s) {bad} rejected their arguments")
         return rows
 
+    def rank_stats(self) -> RankStats:
+        """Collective: every rank buffer's count, total and min priority."""
+        rows = self._exchange("rank stats", 0, None)
+        return RankStats(rows[:, COUNT].to(torch.int64), rows[:, TOTAL].clone(), rows[:, MIN].clone())
+
     def shard_stats(self) -> ShardStats:
-        """Collective: every shard's count, total and min priority."""
-        rows = self._exchange("shard stats", 0, None)
-        return ShardStats(rows[:, COUNT].to(torch.int64), rows[:, TOTAL].clone(), rows[:, MIN].clone())
+        """`rank_stats()` under its old name (deprecated)."""
+        warnings.warn("shard_stats() is renamed rank_stats()", DeprecationWarning, stacklevel=2)
+        return self.rank_stats()
 
     # ------------------------------------------------------------------------------ checkpoints
     @classmethod
@@ -239,7 +245,7 @@ class DistributedRolloutBuffer:
                         **buffer_kwargs: Any) -> "DistributedRolloutBuffer":
         """Collective: resume from the newest complete checkpoint generation under the run prefix `uri`.
 
-        Same world size: every rank restores its own shard exactly (`RolloutBuffer.from_checkpoint`:
+        Same world size: every rank restores its own buffer exactly (`RolloutBuffer.from_checkpoint`:
         slots, priorities, reuse counts, sampler and RNG state) and keeps checkpointing to the same
         place. Different world size: a new generation is started; every rank imports a disjoint
         share of the old ranks' storage shards (`plan_reshard`), with advantages, policy versions,
@@ -284,34 +290,34 @@ class DistributedRolloutBuffer:
             raise ValueError(f"rank {rank}: ranks {differ} passed a different uri than rank 0; "
                              "every rank must pass the same run prefix")
         source, source_world, target = (int(x) for x in rows[0, 2:5].tolist())
-        # Step 2: every rank builds its shard; then all check they read the same manifests.
-        shard, error, plan = None, None, 0.0
+        # Step 2: every rank builds its buffer; then all check they read the same manifests.
+        built, error, plan = None, None, 0.0
         try:
             if source_world == world:
-                shard = restore_rank(uri, source, rank, checkpoint_interval_s, endpoint_url, progress, tag,
+                built = restore_rank(uri, source, rank, checkpoint_interval_s, endpoint_url, progress, tag,
                                      buffer_kwargs, retry_budget_s)
             else:
-                shard, plan = import_share(uri, source, source_world, rank, world, endpoint_url, progress,
+                built, plan = import_share(uri, source, source_world, rank, world, endpoint_url, progress,
                                            buffer_kwargs, tag, retry_budget_s)
-            check_sampler(shard, mode)
+            check_sampler(built, mode)
         except Exception as e:  # noqa: BLE001 - raised by agree, after the collective
             error = e
         try:
-            rows = comm.agree("from_checkpoint: shards", [plan], error)
+            rows = comm.agree("from_checkpoint: reshard plan", [plan], error)
             differ = ranks_differing(rows, 1, float(rows[0, 1]))
             if differ:
                 raise CheckpointError(f"rank {rank}: ranks {differ} planned the resharding from different manifests "
                                       f"of generation {source} (was the old job still writing?)")
-            resumed = cls(process_group, mode, uri, checkpoint_interval_s, endpoint_url, buffer=shard,
+            resumed = cls(process_group, mode, uri, checkpoint_interval_s, endpoint_url, buffer=built,
                           generation=target)
         except BaseException:
-            discard(shard)
+            discard(built)
             raise
         resumed.comm.absorb(comm)
         return resumed
 
     def checkpoint(self, tag: int | str | None = None, timeout: float | None = None) -> None:
-        """Collective: every rank publishes a manifest of its shard; returns on every rank once all
+        """Collective: every rank publishes a manifest of its buffer; returns on every rank once all
         of them are durable (a consistent cut of the job), under `tag` if given (the trainer's
         step: `from_checkpoint(uri, tag=step)` resumes exactly this cut). `timeout` (seconds)
         bounds the local wait; a rank whose publish fails raises its CheckpointError, the others
@@ -327,21 +333,21 @@ class DistributedRolloutBuffer:
 
     def close(self) -> None:
         """Local: finish this rank's background work and, with a checkpoint_uri, publish a final
-        manifest of its shard (not a consistent cut across ranks: call `checkpoint()` for that)."""
+        manifest of its buffer (not a consistent cut across ranks: call `checkpoint()` for that)."""
         self.buffer.close()
 
     # ------------------------------------------------------------------------------ local API
     def add(self, batch: Any) -> Handles:
-        """Store rollouts generated on this rank in this rank's shard (no communication)."""
+        """Store rollouts generated on this rank in this rank's buffer (no communication)."""
         return self.buffer.add(batch)
 
     def __len__(self) -> int:
-        """Rollouts in this rank's shard."""
+        """Rollouts in this rank's buffer."""
         return len(self.buffer)
 
     @property
     def version(self) -> int:
-        """This shard's policy version (equal on every rank after `advance`)."""
+        """This rank buffer's policy version (equal on every rank after `advance`)."""
         return self.buffer.version
 
     # ------------------------------------------------------------------------------ sampling
@@ -363,18 +369,18 @@ class DistributedRolloutBuffer:
         shift = 0.0
         if error is None and self.mode == "global" and self.rank == 0:
             shift = float(torch.rand(1, dtype=torch.float64, generator=generator))
-        rows = self._exchange("sample: shard stats", batch_size if error is None else 0, error, shift)
+        rows = self._exchange("sample: rank stats", batch_size if error is None else 0, error, shift)
         newest = int(rows[:, VERSION].max())
         if int(rows[:, VERSION].min()) != newest:
             # A rank that added newer rollouts moved its own version. Every rank moves to the
             # newest first, so the staleness cap and version-dependent priorities (FreshnessSampler's
-            # reference) are the same on all of them; then the shard stats are taken again.
+            # reference) are the same on all of them; then the rank stats are taken again.
             failed = None
             try:
                 self.buffer.advance(newest)
             except Exception as e:  # noqa: BLE001 - raised by _exchange, after the collective
                 failed = f"advancing to version {newest} failed: {e}"
-            rows = self._exchange("sample: shard stats", batch_size, failed, shift)
+            rows = self._exchange("sample: rank stats", batch_size, failed, shift)
         sizes = rows[:, BATCH]
         if bool((sizes != batch_size).any()):
             raise ValueError(f"batch_size must be the same on every rank, got {sizes.to(torch.int64).tolist()}")
@@ -391,13 +397,13 @@ class DistributedRolloutBuffer:
     def _sample_local(self, batch_size: int, rows: torch.Tensor, generator: torch.Generator | None) -> ReplayBatch:
         empty = (rows[:, COUNT] == 0).nonzero().flatten().tolist()
         if empty:
-            raise ValueError(f"cannot sample in local mode: the shard of rank(s) {empty} is empty")
+            raise ValueError(f"cannot sample in local mode: the buffer of rank(s) {empty} is empty")
         batch = self.buffer.sample(batch_size, generator=generator)
         beta = float(rows[self.rank, BETA])
         sampler = self.buffer.sampler
         if beta and isinstance(sampler, ProportionalSampler) and sampler.weight_norm == "buffer_max":
-            # The sampler normalized by this shard's min; rescale to the job-wide smallest probability.
-            # (The batch norms need nothing: within one rank's batch the shard total cancels.)
+            # The sampler normalized by this rank buffer's min; rescale to the job-wide smallest probability.
+            # (The batch norms need nothing: within one rank's batch its buffer's total cancels.)
             ratio = rows[:, MIN] / rows[:, TOTAL]
             factor = (ratio[self.rank] / ratio.min()) ** -beta
             batch.weights = (batch.weights.double() * factor).to(torch.float32)
@@ -410,7 +416,7 @@ class DistributedRolloutBuffer:
         totals = rows[:, TOTAL]
         total = float(totals.sum())
         if not total > 0:
-            raise ValueError("cannot sample: every shard is empty")
+            raise ValueError("cannot sample: every rank's buffer is empty")
         world, rank, comm = self.world_size, self.rank, self.comm
         # Stratum k * W + rank of B * W (module docstring, step 2).
         strata = torch.arange(batch_size, dtype=torch.float64) * world + rank
@@ -462,7 +468,7 @@ class DistributedRolloutBuffer:
         batch, failure = None, None
         if n:
             try:
-                # Each slot's draws past its reuse budget are redrawn from this shard, so no rollout
+                # Each slot's draws past its reuse budget are redrawn from this rank's buffer, so no rollout
                 # exceeds max_reuse even when several ranks requested it.
                 slots, prio, redrawn = self.buffer.draw_at(requests)
                 self._counters["dist_reuse_redraws"] += redrawn
@@ -475,9 +481,9 @@ class DistributedRolloutBuffer:
 
     # ------------------------------------------------------------------------------ priorities
     def update_priorities(self, handles: Handles, advantages: torch.Tensor) -> int:
-        """Set new advantages for sampled rollouts; returns how many this rank's shard applied.
+        """Set new advantages for sampled rollouts; returns how many this rank's buffer applied.
 
-        Local mode: applied to this rank's shard, no communication (handles must be this rank's).
+        Local mode: applied to this rank's buffer, no communication (handles must be this rank's).
         Global mode: a collective; each update is routed to the owner rank by all_to_all. Handles
         whose rollout was evicted or whose slot was reused are ignored and counted on the owner.
         """
@@ -504,14 +510,14 @@ class DistributedRolloutBuffer:
     def advance(self, policy_version: int) -> int:
         """Collective: set the policy version on every rank and evict rollouts past `max_staleness`.
 
-        Every rank must pass the same version, and no shard may already hold a newer one. Returns
-        the number of rollouts this rank's shard evicted.
+        Every rank must pass the same version, and no rank buffer may already hold a newer one. Returns
+        the number of rollouts this rank's buffer evicted.
         """
         error = None
         if not is_int(policy_version):
             error = f"policy_version must be an int, got {type(policy_version).__name__}"
         v = policy_version if error is None else 0
-        # One MAX reduce: [bad flag, v, -v (min via max of negatives), this shard's version].
+        # One MAX reduce: [bad flag, v, -v (min via max of negatives), this rank buffer's version].
         bad, v_max, neg_v_min, version_max = self.comm.max_reduce(
             "advance", [0 if error is None else 1, v, -v, self.buffer.version])
         if error is not None:
@@ -522,24 +528,24 @@ class DistributedRolloutBuffer:
             raise ValueError(f"policy_version must be the same on every rank, got values from {-neg_v_min} to {v_max}")
         if version_max > policy_version:
             raise ValueError(f"policy_version must not go backwards: {policy_version} < {version_max} "
-                             "(the newest version already held by some shard)")
+                             "(the newest version already held by some rank)")
         return self.buffer.advance(policy_version)
 
     # ------------------------------------------------------------------------------ metrics
     def metrics(self, global_: bool = False) -> dict[str, float]:
-        """This shard's `RolloutBuffer.metrics()` plus distributed counters (`dist_*`: sample calls,
+        """This rank buffer's `RolloutBuffer.metrics()` plus distributed counters (`dist_*`: sample calls,
         rollouts received by / served from this rank, payload and control bytes sent to other ranks).
 
         `global_=True` is a collective (one all_reduce) returning job-wide figures: counts, bytes
         and histograms summed; `age_max`, `policy_version`, `sample_calls` maxed; `age_mean`,
-        `reuse_mean` weighted by shard size; `ess_fraction` averaged over ranks.
+        `reuse_mean` weighted by rank buffer size; `ess_fraction` averaged over ranks.
         """
         out = self.buffer.metrics()
         out.update(self._counters)
         out.update(self.comm.counters)
         out["dist_ess_fraction"] = self._last_ess
         if self.mode == "global":
-            # The shard's own sample() is bypassed in global mode; report what this rank received.
+            # The rank buffer's own sample() is bypassed in global mode; report what this rank received.
             out["sampled_replay"] = self._counters["dist_received"]
             out["sample_calls"] = self._counters["dist_sample_calls"]
             out["ess_fraction"] = self._last_ess

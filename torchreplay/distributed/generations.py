@@ -1,6 +1,6 @@
 """Where a DistributedRolloutBuffer checkpoints, and how a job resumes on another world size.
 
-With `checkpoint_uri`, every rank's shard checkpoints through its own `Checkpointer` (background
+With `checkpoint_uri`, every rank's buffer checkpoints through its own `Checkpointer` (background
 shard uploads, a manifest every `checkpoint_interval_s` seconds and on `checkpoint()`). Layout
 under the run prefix::
 
@@ -151,7 +151,7 @@ def plan_reshard(live_rows: list[list[int]], world_size: int) -> list[list[int]]
 
 
 def discard(buffer: RolloutBuffer | None) -> None:
-    """Drop a shard built by a failed collective call: no final checkpoint, files released."""
+    """Drop a rank buffer built by a failed collective call: no final checkpoint, files released."""
     if buffer is None:
         return
     ckpt = buffer.detach_checkpointer()
@@ -164,7 +164,7 @@ def discard(buffer: RolloutBuffer | None) -> None:
 def restore_rank(uri: str, generation: int, rank: int, interval_s: float, endpoint_url: str | None,
                  progress: bool, tag: int | str | None, buffer_kwargs: dict[str, Any],
                  retry_budget_s: float = 60.0) -> RolloutBuffer:
-    """Rank `rank`'s shard restored exactly from its own directory of `generation`, checkpointing
+    """Rank `rank`'s buffer restored exactly from its own directory of `generation`, checkpointing
     there again (`RolloutBuffer.from_checkpoint`: slots, priorities, reuse counts, sampler and RNG)."""
     place = rank_uri(uri, generation, rank)
     ckpt = Checkpointer(place, interval_s=interval_s, endpoint_url=endpoint_url)
@@ -182,7 +182,7 @@ def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_u
                 ) -> tuple[dict[str, Any], int, list[list[int]], list[int], float]:
     """Read generation `source`'s manifests and plan who imports what on `world` new ranks.
 
-    Returns the new shards' RolloutBuffer kwargs, the newest old policy version, `owner[o][i]`
+    Returns the new rank buffers' RolloutBuffer kwargs, the newest old policy version, `owner[o][i]`
     (the new rank importing shard i of old rank o, -1 for a shard with nothing to import), each
     new rank's planned rollouts and a fingerprint of the plan (equal on every rank iff all read
     the same manifests)."""
@@ -217,7 +217,7 @@ def plan_shares(uri: str, source: int, source_world: int, world: int, endpoint_u
 def import_share(uri: str, source: int, source_world: int, rank: int, world: int, endpoint_url: str | None,
                  progress: bool, buffer_kwargs: dict[str, Any], tag: int | str | None = None,
                  retry_budget_s: float = 60.0) -> tuple[RolloutBuffer, float]:
-    """Rank `rank`'s new shard: its share of generation `source` (`plan_shares`), imported with
+    """Rank `rank`'s new buffer: its share of generation `source` (`plan_shares`), imported with
     use counts; returns it and the plan's fingerprint."""
     kwargs, newest, owner, share, plan = plan_shares(uri, source, source_world, world, endpoint_url,
                                                      buffer_kwargs, tag, retry_budget_s)

@@ -1,8 +1,8 @@
-"""What the ranks tell each other about their shards.
+"""What the ranks tell each other about their rank buffers (the `RolloutBuffer` each rank holds).
 
-Every `sample` (and `shard_stats`, and a global `update_priorities`'s argument check) starts with
-one all_reduce of a [world, 8] float64 table: every rank fills its own row, `shard_row`, with its
-shard's count, total and smallest positive priority, its sampler's beta, the batch size, whether
+Every `sample` (and `rank_stats`, and a global `update_priorities`'s argument check) starts with
+one all_reduce of a [world, 8] float64 table: every rank fills its own row, `rank_row`, with its
+buffer's count, total and smallest positive priority, its sampler's beta, the batch size, whether
 its arguments were good, on rank 0 the shared random shift, and its policy version. The sampling
 protocol (`torchreplay.distributed.buffer`) reads the columns by the names below.
 `metrics(global_=True)` gathers every rank's metrics the same way and combines them
@@ -19,14 +19,14 @@ import torch
 from torchreplay.buffer import RolloutBuffer
 from torchreplay.samplers import ProportionalSampler
 
-# Columns of the per-call shard table.
+# Columns of the per-call rank table.
 COUNT, TOTAL, MIN, BETA, BATCH, OK, SHIFT, VERSION = range(8)
 
 
 @dataclass(frozen=True)
-class ShardStats:
-    """Every shard's figures as of one collective: `count` (rollouts, int64 [W]), `total` and `min`
-    (sum and smallest positive priority, float64 [W]; min is +inf for an empty shard)."""
+class RankStats:
+    """Every rank buffer's figures as of one collective: `count` (rollouts, int64 [W]), `total` and
+    `min` (sum and smallest positive priority, float64 [W]; min is +inf for an empty buffer)."""
 
     count: torch.Tensor
     total: torch.Tensor
@@ -45,8 +45,11 @@ class ShardStats:
         return float(self.min.min())
 
 
-def shard_row(buffer: RolloutBuffer, batch_size: int, ok: bool, shift: float) -> torch.Tensor:
-    """This rank's row of the per-call shard table (module docstring, step 1)."""
+ShardStats = RankStats  # its name before the rank buffers stopped being called shards
+
+
+def rank_row(buffer: RolloutBuffer, batch_size: int, ok: bool, shift: float) -> torch.Tensor:
+    """This rank's row of the per-call rank table (module docstring, step 1)."""
     sampler = buffer.sampler
     count = len(buffer)
     weighted = isinstance(sampler, ProportionalSampler)
@@ -61,8 +64,8 @@ def shard_row(buffer: RolloutBuffer, batch_size: int, ok: bool, shift: float) ->
 
 def job_metrics(keys: list[str], rows: torch.Tensor) -> dict[str, float]:
     """Job-wide figures from every rank's metrics (`rows[r, i]` is rank r's `keys[i]`): counts,
-    bytes and histograms summed; ages, versions and call counts maxed; means weighted by shard
-    size; ESS fractions averaged over the ranks that have one."""
+    bytes and histograms summed; ages, versions and call counts maxed; means weighted by rank
+    buffer size; ESS fractions averaged over the ranks that have one."""
     col = {k: rows[:, i] for i, k in enumerate(keys)}
     size = col["size"]
     result: dict[str, float] = {}
