@@ -18,6 +18,7 @@ from torchreplay.rules import (
     apply_rule,
     group_advantages,
     hash_prompts,
+    replayable,
     prompt_key_field,
     with_prompt_keys,
     zero_variance_prompts,
@@ -137,3 +138,163 @@ def test_prompt_keys_survive_a_checkpoint_round_trip(stored_field):
     first, second = (11, 22) if stored_field else (key(A), key(B))
     assert sorted(index.live(first).slot.tolist()) == handles.slot[:2].tolist()
     assert sorted(index.live(second).slot.tolist()) == handles.slot[2:].tolist()
+
+
+def seed(buf: tr.RolloutBuffer, index: PromptIndex, *groups: dict) -> tr.Handles:
+    """Store earlier rollouts directly (as a previous step would have) and index them."""
+    batch = with_prompt_keys(cat(*groups))
+    handles = buf.add(batch)
+    index.note(handles, batch["prompt_key"])
+    return handles
+
+
+def rows(handles: tr.Handles, *i: int) -> list[int]:
+    return [int(handles.slot[k]) for k in i]
+
+
+# ----------------------------------------------------------------------------- AR3PO: reuse
+def test_response_reuse_gives_an_all_wrong_group_the_newest_earlier_correct_response():
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    old = seed(buf, index, group(A, [1, 0], 0, 0), group(B, [1, 1], 0, 1))
+    newer = seed(buf, index, group(A, [1, 0], 0, 2))
+    fresh = cat(group(A, [0, 0, 0], 1, 3), group(B, [0, 1, 0], 1, 4))
+    step = apply_rule(buf, index, ResponseReuse(correct_reward=1.0, per_prompt=1), fresh)
+    plan = step.plan
+    # A had no correct answer: the newest correct A response joins it; B had one: nothing for B.
+    assert plan.replay.slot.tolist() == rows(newer, 0) and rows(newer, 0) != rows(old, 0)
+    pooled = group_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    assert torch.allclose(plan.fresh_advantage[:3], pooled[:3]) and torch.allclose(plan.replay_advantage, pooled[3:])
+    assert torch.equal(plan.fresh_advantage[3:], fresh["advantage"][3:])  # the caller's, untouched
+    assert plan.replay_weights.tolist() == [1.0] and bool(plan.fresh_train.all())
+    assert step.replayed.reward.tolist() == [1.0] and int(buf.ledger.slots.reuse[plan.replay.slot[0]]) == 1
+    # The fresh rows are stored with the plan's advantages.
+    assert torch.allclose(buf.ledger.slots.advantage[step.fresh.handles.slot], plan.fresh_advantage)
+
+
+def test_response_reuse_respects_staleness_and_reuse_caps():
+    buf = make_buffer(max_staleness=1, max_reuse=3)
+    index = PromptIndex(buf)
+    correct = seed(buf, index, group(A, [1, 0], 0, 0))
+    rule = ResponseReuse(per_prompt=2)
+    # Reused twice (reuse 1, then 2) ...
+    for version in (0, 1):
+        plan = apply_rule(buf, index, rule, group(A, [0, 0], version, 10 + version)).plan
+        assert plan.replay.slot.tolist() == rows(correct, 0)
+    # ... with one use left, but at version 2 it is 2 > max_staleness old: not reused.
+    plan = apply_rule(buf, index, rule, group(A, [0, 0], 2, 12)).plan
+    assert len(plan.replay) == 0 and torch.equal(plan.fresh_advantage, torch.zeros(2))
+    buf2 = make_buffer(max_reuse=2)
+    index2 = PromptIndex(buf2)
+    correct = seed(buf2, index2, group(A, [1], 0, 0))
+    assert apply_rule(buf2, index2, rule, group(A, [0, 0], 0, 1)).plan.replay.slot.tolist() == rows(correct, 0)
+    assert apply_rule(buf2, index2, rule, group(A, [0, 0], 0, 2)).plan.replay.slot.tolist() == rows(correct, 0)
+    assert not bool(replayable(buf2, correct, 0).any())  # at max_reuse: evicted (its slot may hold another)
+    assert len(apply_rule(buf2, index2, rule, group(A, [0, 0], 0, 3)).plan.replay) == 0
+
+
+# ---------------------------------------------------------------------- RePO: prompt replay
+def test_prompt_replay_joins_stored_rollouts_of_each_prompt_to_its_group():
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    old = seed(buf, index, group(A, [1, 0, 0.5], 0, 0), group(B, [1], 0, 1), group([7, 7], [1], 0, 2))
+    fresh = cat(group(A, [1, 0], 1, 3), group(B, [0, 0], 1, 4))
+    step = apply_rule(buf, index, PromptReplay(per_prompt=2, strategy="recent"), fresh)
+    plan = step.plan
+    # Newest first within each prompt (A's last two, then B's one); the other prompt is not asked for.
+    assert plan.replay.slot.tolist() == rows(old, 2, 1, 3)
+    a = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]))
+    b = group_advantages(torch.tensor([0.0, 0.0, 1.0]))
+    assert torch.allclose(plan.fresh_advantage, torch.cat([a[:2], b[:2]]))
+    assert torch.allclose(plan.replay_advantage, torch.cat([a[2:], b[2:]]))
+    assert plan.replay_weights.tolist() == [1.0] * 3
+    assert step.replayed.reward.tolist() == [0.5, 0.0, 1.0]
+    assert buf.ledger.slots.reuse[plan.replay.slot].tolist() == [1, 1, 1]
+
+
+def test_prompt_replay_strategies():
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    old = seed(buf, index, group(A, [0.2, 1, 0.5, 0], 0, 0))
+    groups = FreshGroups.of(buf, with_prompt_keys(group(A, [1, 0], 1, 1)))
+    best = PromptReplay(per_prompt=2, strategy="reward").plan(buf, index, groups)
+    assert best.replay.slot.tolist() == rows(old, 1, 2)
+    draws = {tuple(PromptReplay(per_prompt=2, strategy="random").plan(
+        buf, index, groups, torch.Generator().manual_seed(s)).replay.slot.tolist()) for s in range(40)}
+    assert all(len(set(d)) == 2 and set(d) <= set(old.slot.tolist()) for d in draws) and len(draws) > 3
+    with pytest.raises(ValueError, match="strategy"):
+        PromptReplay(strategy="oldest")
+
+
+def test_prompt_replay_respects_staleness_and_reuse_caps():
+    buf = make_buffer(max_staleness=2, max_reuse=2)
+    index = PromptIndex(buf)
+    older = seed(buf, index, group(A, [1, 0], 0, 0))
+    newer = seed(buf, index, group(A, [1, 0], 1, 1))
+    buf.gather(newer.slot[:1])  # one use left for newer[0]; newer[1] still has two
+    buf.gather(newer.slot[:1])  # newer[0] at the cap: evicted
+    groups = FreshGroups.of(buf, with_prompt_keys(group(A, [0, 1], 3, 2)))
+    plan = PromptReplay(per_prompt=4).plan(buf, index, groups)
+    # At version 3 the version-0 rollouts are 3 > 2 old; newer[0] is spent: only newer[1] joins.
+    assert plan.replay.slot.tolist() == rows(newer, 1) and rows(older, 0) != rows(newer, 1)
+
+
+# --------------------------------------------------------------------------- TRL: group swap
+def score(rewards: list[float]) -> float:
+    reward = torch.tensor(rewards)
+    return float(group_advantages(reward).abs().sum()) * float(reward.double().std())
+
+
+def test_group_swap_keeps_the_top_groups_and_swaps_zero_variance_ones():
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    rule = GroupSwap(capacity=2)
+    C, D = [7, 7], [8, 8]
+    first = apply_rule(buf, index, rule, cat(group(A, [1, 0]), group(B, [1, 0, 0, 0], 0, 1), group(C, [1, 0, 0], 0, 2)))
+    assert len(first.plan.replay) == 0  # nothing kept yet: every group trains as it is
+    # capacity 2: the two highest of the three scores, highest first.
+    expected = sorted([score([1, 0]), score([1, 0, 0, 0]), score([1, 0, 0])], reverse=True)[:2]
+    assert [s for s, _ in rule.groups] == pytest.approx(expected)
+    top = {tuple(h.slot.tolist()) for _, h in rule.groups}
+    fresh = cat(group(D, [0, 0], 1, 3), group(A, [1, 1], 1, 4), group(C, [0, 1], 1, 5))
+    step = apply_rule(buf, index, rule, fresh, generator=torch.Generator().manual_seed(0))
+    plan = step.plan
+    # D and the new A group have zero variance: each is replaced by a different kept group.
+    assert plan.fresh_train.tolist() == [False, False, False, False, True, True]
+    swapped = plan.replay.slot.tolist()
+    assert set(swapped) == {s for g in top for s in g} and len(swapped) == len(set(swapped))
+    assert torch.equal(plan.replay_advantage, buf.ledger.slots.advantage[plan.replay.slot])  # stored, as scored
+    assert torch.equal(plan.fresh_advantage, fresh["advantage"]) and plan.replay_weights.eq(1).all()
+
+
+def test_group_swap_draws_in_proportion_to_the_score():
+    """Two kept groups with scores s1 < s2 (ratio 1 : 3); 2000 draws with seeds 0..1999: the share of
+    the high-score group is 0.75 with sd 0.0097; |share - 0.75| < 0.04 is 4 sd. A uniform draw
+    (share 0.5) lies 26 sd away."""
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    rule = GroupSwap(capacity=4)
+    apply_rule(buf, index, rule, cat(group(A, [1, 0], 0, 0), group(B, [1, 0], 0, 1)))
+    (s1, low), (s2, high) = sorted(rule.groups, key=lambda e: e[0])
+    rule.groups = [(1.0, low), (3.0, high)]
+    groups = FreshGroups.of(buf, with_prompt_keys(group([9], [0, 0], 0, 2)))
+    hits = sum(rule.plan(buf, index, groups, torch.Generator().manual_seed(s)).replay.slot.tolist()
+               == high.slot.tolist() for s in range(2000))
+    assert abs(hits / 2000 - 0.75) < 0.04
+
+
+def test_group_swap_respects_staleness_and_reuse_caps():
+    buf = make_buffer(max_staleness=1, max_reuse=2)
+    index = PromptIndex(buf)
+    rule = GroupSwap(capacity=4)
+    apply_rule(buf, index, rule, group(A, [1, 0], 0, 0))  # stored and used once (fresh)
+    kept = rule.groups[0][1]
+    step = apply_rule(buf, index, rule, group(B, [0, 0], 1, 1))
+    assert step.plan.replay.slot.tolist() == kept.slot.tolist()  # second use: at the cap, evicted
+    assert not bool(replayable(buf, kept, 1).any())
+    step = apply_rule(buf, index, rule, group(B, [0, 0], 1, 2))
+    assert len(step.plan.replay) == 0 and bool(step.plan.fresh_train.all()) and rule.groups == []
+    # Staleness: a kept group 2 > max_staleness versions behind the fresh batch is not drawn.
+    apply_rule(buf, index, rule, group([7, 7], [1, 0], 2, 3))
+    groups = FreshGroups.of(buf, with_prompt_keys(group(B, [0, 0], 4, 4)))
+    assert len(rule.groups) == 1 and len(rule.plan(buf, index, groups).replay) == 0 and rule.groups == []
