@@ -154,6 +154,7 @@ def rows(handles: tr.Handles, *i: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- AR3PO: reuse
 def test_response_reuse_gives_an_all_wrong_group_the_newest_earlier_correct_response():
+    """Fails if the fresh rows keep the caller's advantages instead of the pooled ones."""
     buf = make_buffer()
     index = PromptIndex(buf)
     old = seed(buf, index, group(A, [1, 0], 0, 0), group(B, [1, 1], 0, 1))
@@ -173,6 +174,7 @@ def test_response_reuse_gives_an_all_wrong_group_the_newest_earlier_correct_resp
 
 
 def test_response_reuse_respects_staleness_and_reuse_caps():
+    """Fails if `replayable` drops its staleness test (the version-0 response is reused at version 2)."""
     buf = make_buffer(max_staleness=1, max_reuse=3)
     index = PromptIndex(buf)
     correct = seed(buf, index, group(A, [1, 0], 0, 0))
@@ -195,6 +197,7 @@ def test_response_reuse_respects_staleness_and_reuse_caps():
 
 # ---------------------------------------------------------------------- RePO: prompt replay
 def test_prompt_replay_joins_stored_rollouts_of_each_prompt_to_its_group():
+    """Fails if the fresh rows keep the caller's advantages instead of the pooled ones."""
     buf = make_buffer()
     index = PromptIndex(buf)
     old = seed(buf, index, group(A, [1, 0, 0.5], 0, 0), group(B, [1], 0, 1), group([7, 7], [1], 0, 2))
@@ -227,6 +230,8 @@ def test_prompt_replay_strategies():
 
 
 def test_prompt_replay_respects_staleness_and_reuse_caps():
+    """Fails if `replayable` drops its staleness test. The reuse cap holds through liveness: the
+    ledger evicts a rollout when it reaches max_reuse, and a rule takes a rollout once a step."""
     buf = make_buffer(max_staleness=2, max_reuse=2)
     index = PromptIndex(buf)
     older = seed(buf, index, group(A, [1, 0], 0, 0))
@@ -270,7 +275,7 @@ def test_group_swap_keeps_the_top_groups_and_swaps_zero_variance_ones():
 def test_group_swap_draws_in_proportion_to_the_score():
     """Two kept groups with scores s1 < s2 (ratio 1 : 3); 2000 draws with seeds 0..1999: the share of
     the high-score group is 0.75 with sd 0.0097; |share - 0.75| < 0.04 is 4 sd. A uniform draw
-    (share 0.5) lies 26 sd away."""
+    (share 0.5, the mutation `multinomial(scores > 0)`) lies 26 sd away and fails."""
     buf = make_buffer()
     index = PromptIndex(buf)
     rule = GroupSwap(capacity=4)
@@ -284,6 +289,7 @@ def test_group_swap_draws_in_proportion_to_the_score():
 
 
 def test_group_swap_respects_staleness_and_reuse_caps():
+    """Fails if `replayable` drops its staleness test (the kept group is swapped in 3 versions later)."""
     buf = make_buffer(max_staleness=1, max_reuse=2)
     index = PromptIndex(buf)
     rule = GroupSwap(capacity=4)
@@ -298,3 +304,10 @@ def test_group_swap_respects_staleness_and_reuse_caps():
     apply_rule(buf, index, rule, group([7, 7], [1, 0], 2, 3))
     groups = FreshGroups.of(buf, with_prompt_keys(group(B, [0, 0], 4, 4)))
     assert len(rule.groups) == 1 and len(rule.plan(buf, index, groups).replay) == 0 and rule.groups == []
+
+
+def test_group_advantages_by_hand():
+    """Rewards 0, 0, 0, 1: mean 0.25, std with Bessel's correction sqrt(0.75 / 3) = 0.5, so the
+    advantages are -0.5, -0.5, -0.5, 1.5 (the population std, 0.433, would give -0.577 ... 1.732)."""
+    assert group_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0]), eps=0.0).tolist() == [-0.5, -0.5, -0.5, 1.5]
+    assert group_advantages(torch.tensor([3.0])).tolist() == [0.0]
