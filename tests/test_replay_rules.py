@@ -311,3 +311,26 @@ def test_group_advantages_by_hand():
     advantages are -0.5, -0.5, -0.5, 1.5 (the population std, 0.433, would give -0.577 ... 1.732)."""
     assert group_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0]), eps=0.0).tolist() == [-0.5, -0.5, -0.5, 1.5]
     assert group_advantages(torch.tensor([3.0])).tolist() == [0.0]
+
+
+def test_prompt_keys_survive_resharding(tmp_path):
+    """Resharding (`DistributedRolloutBuffer.from_checkpoint` on another world size) imports each old
+    shard into one new rank with `import_checkpoint(select=...)`: the caller's keys come along."""
+    from torchreplay.checkpoint import Checkpointer
+
+    uri = f"file://{tmp_path}/old"
+    old = tr.RolloutBuffer(32, extra_fields=prompt_key_field(), checkpoint=Checkpointer(uri, interval_s=3600), seed=0)
+    old.add(dict(group(A, [0, 1], 0, 0), prompt_key=torch.tensor([11, 11])))
+    old.add(dict(group(B, [1, 0, 1], 0, 1), prompt_key=torch.tensor([22, 22, 22])))
+    old.close()
+    found = {}
+    for rank in (0, 1):
+        new = tr.RolloutBuffer(32, extra_fields=prompt_key_field(), seed=rank)
+        new.import_checkpoint(uri, select=lambda i, count, rank=rank: i % 2 == rank)
+        index = PromptIndex(new)
+        index.rebuild()
+        for k in (11, 22):
+            rewards = new.ledger.slots.reward[index.live(k).slot].tolist()
+            if rewards:
+                found[k] = (rank, sorted(rewards))
+    assert found == {11: (0, [0.0, 1.0]), 22: (1, [0.0, 1.0, 1.0])}
