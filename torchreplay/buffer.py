@@ -14,6 +14,7 @@ import torch
 
 from torchreplay import budget, persistence
 from torchreplay.assembly import BatchAssembler, Handles, PendingBatch, ReplayBatch, concat, prefetched
+from torchreplay.checks import check_int
 from torchreplay.config import BufferConfig
 from torchreplay.errors import StorageError
 from torchreplay.ledger import MAX_VERSION, Ledger, Released, check_short
@@ -164,8 +165,7 @@ class RolloutBuffer:
 
         Costs O(evicted + distinct live versions). Returns the number evicted.
         """
-        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
-            raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
+        check_int(policy_version, "policy_version")
         if not self.version <= policy_version < MAX_VERSION:
             raise ValueError(f"policy_version must not go backwards and must be < 2**62: {policy_version}, "
                              f"current {self.version}")
