@@ -282,7 +282,9 @@ def apply_rule(buffer: RolloutBuffer, index: PromptIndex, rule: GroupRule, fresh
     evict them), then `compose` the fresh rows (prompt keys filled in, advantages from the plan)
     with no other replay, note them in `index` and tell the rule. Train on `fresh` where
     `plan.fresh_train`, with `plan.fresh_advantage`, and on `replayed` with `plan.replay_advantage`
-    and `plan.replay_weights`."""
+    and `plan.replay_weights`. Not all-or-nothing across its two calls: a `fresh` that `compose`
+    refuses leaves the planned rows' uses counted (each call by itself changes nothing when it fails).
+    A rule's own state (GroupSwap's kept groups) is not part of the buffer's checkpoints."""
     fresh = with_prompt_keys(fresh)
     groups = FreshGroups.of(buffer, fresh)
     plan = rule.plan(buffer, index, groups, generator)
