@@ -22,14 +22,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from torchreplay.checks import check_int
+
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
 def check_limit(max_pending_bytes: Any) -> int:
-    if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
-        raise TypeError(f"max_pending_bytes must be an int (bytes), got {type(max_pending_bytes).__name__}")
-    if max_pending_bytes < 0:
-        raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
+    check_int(max_pending_bytes, "max_pending_bytes (bytes)", low=0)
     return max_pending_bytes
 
 

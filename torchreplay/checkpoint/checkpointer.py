@@ -40,6 +40,7 @@ from torchreplay.checkpoint import retention, tensorfile
 from torchreplay.checkpoint.backlog import DEFAULT_MAX_PENDING_BYTES, UploadBacklog, check_limit
 from torchreplay.checkpoint.store import ObjectStore, PermanentError, check_retry_budget, open_store
 from torchreplay.checkpoint.uploader import RemoteStore
+from torchreplay.checks import check_int, is_int
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
 
@@ -59,7 +60,7 @@ def _check_helper_cpus(helper_cpus: list[int] | None) -> None:
     if helper_cpus is None:
         return
     if isinstance(helper_cpus, (str, bytes)) or not all(
-            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in helper_cpus) or not helper_cpus:
+            is_int(c) and c >= 0 for c in helper_cpus) or not helper_cpus:
         raise ValueError(f"helper_cpus must be a non-empty list of CPU numbers, got {helper_cpus!r}")
     # Not this process's own affinity: the trainer may have pinned itself elsewhere on purpose.
     if max(helper_cpus) >= (os.cpu_count() or 1):
@@ -126,8 +127,7 @@ class Checkpointer:
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
         retry_budget_s = check_retry_budget(retry_budget_s)
-        if isinstance(multipart_bytes, bool) or not isinstance(multipart_bytes, int) or multipart_bytes < 5 << 20:
-            raise ValueError(f"multipart_bytes must be an int >= 5 MiB (S3's smallest part), got {multipart_bytes!r}")
+        check_int(multipart_bytes, "multipart_bytes (S3's smallest part is 5 MiB)", low=5 << 20, error=ValueError)
         check_limit(max_pending_bytes)
         _check_helper_cpus(helper_cpus)
         self.uri = uri

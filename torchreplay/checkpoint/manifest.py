@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from torchreplay import boundedjson
 from torchreplay.checkpoint.store import ObjectStore, check_key
+from torchreplay.checks import is_int
 from torchreplay.errors import CheckpointError
 from torchreplay.storage import format as fmt
 
@@ -164,7 +165,7 @@ def validate_manifest(m: Any) -> None:
     if m.get("format_version") != MANIFEST_VERSION:
         raise CheckpointError(f"unsupported manifest format_version {m.get('format_version')!r}")
     for name in ("sequence", "rollouts", "policy_version"):
-        if isinstance(m.get(name), bool) or not isinstance(m.get(name), int) or m[name] < 0:
+        if not is_int(m.get(name)) or m[name] < 0:
             raise CheckpointError(f"manifest field {name!r} must be a non-negative int, got {m.get(name)!r}")
     state = m.get("state")
     if not isinstance(state, dict):
@@ -192,12 +193,12 @@ def _validate_shard_entry(s: Any, seen: set[int]) -> int:
     if not isinstance(s, dict):
         raise CheckpointError("manifest shard entries must be objects")
     sid, key, live = s.get("id"), s.get("key"), s.get("live_rows")
-    if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0 or sid in seen:
+    if not is_int(sid) or sid < 0 or sid in seen:
         raise CheckpointError(f"manifest shard id {sid!r} is invalid or repeated")
     seen.add(sid)
     if not isinstance(key, str) or not check_key(key).startswith("shards/") or not key.endswith(".trs"):
         raise CheckpointError(f"manifest shard key {key!r} must be shards/<name>.trs inside the prefix")
-    if isinstance(live, bool) or not isinstance(live, int) or live < 1:
+    if not is_int(live) or live < 1:
         raise CheckpointError(f"manifest shard {sid}: live_rows must be >= 1, got {live!r}")
     size = s.get("bytes", 0)
     if not _is_size(size, 50):

@@ -23,6 +23,7 @@ from torchreplay.checkpoint import tensorfile
 from torchreplay.checkpoint.checkpointer import Checkpointer
 from torchreplay.checkpoint.manifest import read_manifest
 from torchreplay.checkpoint.store import MissingObject, ObjectStore, check_retry_budget, open_reader
+from torchreplay.checks import check_int, is_int
 from torchreplay.errors import CheckpointError, StorageError
 from torchreplay.shards import ShardListener
 from torchreplay.slots import TABLE_FIELDS
@@ -54,7 +55,7 @@ def load_state(store: ObjectStore, manifest: dict[str, Any]) -> dict[str, Any]:
     # The blob holds ~90 bytes per slot: one far larger than the capacity it describes is refused
     # before it is read.
     capacity = tensorfile.peek(text, ("config", "capacity"))
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+    if not is_int(capacity) or capacity < 1:
         raise CheckpointError(f"checkpoint state config capacity {capacity!r} is not a slot count")
     boundedjson.check_size(state_info["blob_bytes"], STATE_FIXED_BYTES + STATE_BYTES_PER_SLOT * capacity,
                            f"state {state_info['blob']} of a {capacity}-slot buffer", CheckpointError)
@@ -246,8 +247,7 @@ def import_rollouts(buffer: "RolloutBuffer", uri: str, *, endpoint_url: str | No
     carries the rollouts' use counts over. Each read may keep failing for `retry_budget_s`."""
 
     check_retry_budget(retry_budget_s)
-    if isinstance(version_offset, bool) or not isinstance(version_offset, int):
-        raise TypeError(f"version_offset must be an int, got {version_offset!r}")
+    check_int(version_offset, "version_offset")
     if not -(2**62) <= version_offset <= 2**62:
         # Versions lie in [0, 2**62): a larger shift would wrap in int64 (to a version that looks valid).
         raise ValueError(f"version_offset must lie in [-2**62, 2**62], got {version_offset}")

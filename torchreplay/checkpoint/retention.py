@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from torchreplay.checkpoint.manifest import ManifestRefs
+from torchreplay.checks import check_int, is_int
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,8 @@ class RetentionPolicy:
     keep_tags: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
-        keep_tags = self.keep_tags
-        if keep_tags is not None and (isinstance(keep_tags, bool) or not isinstance(keep_tags, int) or keep_tags < 1):
-            raise ValueError(f"keep_tags must be None (keep all) or an int >= 1, got {keep_tags!r}")
+        check_int(self.keep_last, "keep_last", low=1, error=ValueError)
+        check_int(self.keep_tags, "keep_tags (None keeps all)", low=1, allow_none=True, error=ValueError)
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ class Deletions:
 def _sequence(pointer: Mapping[str, Any]) -> int:
     # A pointer without a usable sequence (another writer's, damaged) sorts as the oldest.
     value = pointer.get("sequence", -1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+    return value if is_int(value) else -1
 
 
 def _named(pointer: Mapping[str, Any]) -> str | None:
