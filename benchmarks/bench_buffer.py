@@ -597,7 +597,7 @@ def packed_section(steps: list[dict[str, float]], step_s: float) -> list[str]:
     lines = ["", "## Packed layout: sample against the ragged copy floor", "",
              f"The same draw (B rows, median {tokens / 1e6:.1f} M tokens, {ragged_gb:.2f} GB of ragged token "
              "bytes) as a packed batch (`layout=\"packed\"`: flat tokens, logprobs, response_mask, plus "
-             "cu_seqlens and position_ids) and as a padded one, and the floor: a bare copy of the same ragged "
+             "cu_seqlens; position_ids are derived when a trainer first reads them) and as a padded one, and the floor: a bare copy of the same ragged "
              "bytes into warm memory, timed between the two samples (which alternate around it). Ratios: "
              "median of the per-round ratios to that round's floor.", "",
              "| per step | seconds (median) | / ragged copy floor | ratio IQR | ratio min-max |",

@@ -100,7 +100,7 @@ def assert_same_padded(a: tr.ReplayBatch, b: tr.ReplayBatch) -> None:
 
 def assert_same_packed(a: tr.PackedReplayBatch, b: tr.PackedReplayBatch) -> None:
     assert a.data.keys() == b.data.keys() and a.token_fields == b.token_fields and a.max_seqlen == b.max_seqlen
-    for name in (*a.data, *tr.PackedReplayBatch.LAYOUT):
+    for name in (*a.data, *tr.PackedReplayBatch.LAYOUT, "position_ids"):
         assert same(getattr(a, name), getattr(b, name)), name
     for name in tr.ReplayBatch.BOOKKEEPING:
         assert same(getattr(a, name), getattr(b, name)), name
@@ -181,6 +181,22 @@ def test_sample_packed_is_the_padded_batch_without_its_padding(tmp_path, case, s
         packed = packed_buf.sample(40, device=device, generator=gen(seed), reuse_output=True, layout="packed")
         assert_matches(padded, packed, side)
     assert padded_buf.metrics()["sampled_replay"] == packed_buf.metrics()["sampled_replay"] == 160
+
+
+def test_position_ids_are_derived_when_first_read_not_written_by_the_sample(tmp_path):
+    """A sample does not write `position_ids` (8 bytes a token the trainer may never read, e.g.
+    with flash-attention's varlen kernels): they are derived from `cu_seqlens` at the first read,
+    on the batch's device, and kept; `to()` before that read leaves them to be derived there.
+    Mutation seen failing: deriving them in `assemble_packed` (the sample writes them again)."""
+    buf, _ = twins(tmp_path)
+    packed = buf.sample(16, generator=gen(3), layout="packed")
+    assert packed.derived_position_ids is None
+    moved = packed.to("cpu")
+    assert moved.derived_position_ids is None
+    lengths = packed.lengths.tolist()
+    want = [p for length in lengths for p in range(length)]
+    assert moved.position_ids.tolist() == want and moved.derived_position_ids is moved.position_ids
+    assert packed.position_ids.tolist() == want
 
 
 def test_missing_optional_field_rows_are_zero_in_the_packed_batch(tmp_path):

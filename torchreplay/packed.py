@@ -12,7 +12,7 @@ pass); `to_packed` and `PackedReplayBatch.to_padded` convert either way, bit for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -34,8 +34,11 @@ class PackedReplayBatch:
     (tokens, response_mask, logprobs, ref_logprobs, routing ids, declared token fields) and each
     rollout field [B, ...] (reward, advantage, group_id, policy_version, prompt_len, declared ones).
     Row i's tokens are [cu_seqlens[i], cu_seqlens[i + 1]) (int32, [B + 1]); `max_seqlen` is the
-    longest row; `position_ids` [N] (int64) count each row's tokens from 0. Every token is a real
-    one, so there is no attention mask. Handles and the bookkeeping columns (`weights`, `age`,
+    longest row; `num_tokens` is N; `position_ids` [N] (int64) count each row's tokens from 0,
+    derived from `cu_seqlens` when first read, on the batch's device (a sample does not write them:
+    they would be 8 bytes a token beside the ragged fields' 13, and a trainer moving the batch to
+    the GPU derives them there in microseconds). Every token is a real one, so there is no
+    attention mask. Handles and the bookkeeping columns (`weights`, `age`,
     `reuse`, `is_fresh`) are [B], as in `ReplayBatch`. A declared field named `position_ids` stays
     in `data` (e.g. verl's, mrope's [N, C]); the attribute is always the restarting count."""
 
@@ -47,12 +50,13 @@ class PackedReplayBatch:
     is_fresh: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    position_ids: torch.Tensor
+    num_tokens: int
     token_fields: tuple[str, ...] = ()
     pad_token_id: int = 0  # what `to_padded` pads `tokens` with
+    derived_position_ids: torch.Tensor | None = field(default=None, repr=False)  # `position_ids`, once read
 
     BOOKKEEPING: ClassVar[tuple[str, ...]] = ReplayBatch.BOOKKEEPING
-    LAYOUT: ClassVar[tuple[str, ...]] = ("cu_seqlens", "position_ids")  # the packed layout's own tensors
+    LAYOUT: ClassVar[tuple[str, ...]] = ("cu_seqlens",)  # the packed layout's own stored tensors
 
     def __getattr__(self, name: str) -> torch.Tensor:
         data = self.__dict__.get("data", {})
@@ -64,8 +68,12 @@ class PackedReplayBatch:
         return self.weights.numel()
 
     @property
-    def num_tokens(self) -> int:
-        return self.position_ids.shape[0]
+    def position_ids(self) -> torch.Tensor:
+        """[N] int64: each row's tokens counted from 0, derived from `cu_seqlens` on its device
+        at the first read, then kept."""
+        if self.derived_position_ids is None:
+            self.derived_position_ids = position_ids_of(self.cu_seqlens, self.num_tokens)
+        return self.derived_position_ids
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -80,8 +88,9 @@ class PackedReplayBatch:
                                        output_size=self.num_tokens)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the batch holds."""
-        return [*self.data.values(), *(getattr(self, name) for name in (*self.BOOKKEEPING, *self.LAYOUT))]
+        """Every tensor the batch holds (`position_ids` only once derived)."""
+        derived = [] if self.derived_position_ids is None else [self.derived_position_ids]
+        return [*self.data.values(), *(getattr(self, name) for name in (*self.BOOKKEEPING, *self.LAYOUT)), *derived]
 
     def to(self, device: torch.device | str) -> "PackedReplayBatch":
         """Move every tensor. From the CPU to CUDA this goes through pinned memory, non-blocking."""
@@ -94,10 +103,12 @@ class PackedReplayBatch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
+        derived = self.derived_position_ids
         return PackedReplayBatch(data={k: move(v) for k, v in self.data.items()}, handles=self.handles,
                                  **{name: move(getattr(self, name)) for name in (*self.BOOKKEEPING, *self.LAYOUT)},
-                                 max_seqlen=self.max_seqlen, token_fields=self.token_fields,
-                                 pad_token_id=self.pad_token_id)
+                                 max_seqlen=self.max_seqlen, num_tokens=self.num_tokens,
+                                 token_fields=self.token_fields, pad_token_id=self.pad_token_id,
+                                 derived_position_ids=None if derived is None else move(derived))
 
     def to_padded(self, padding_side: str = "right", width: int | None = None) -> ReplayBatch:
         """The same rows as a padded `ReplayBatch` [B, T] (T = `width`, default `max_seqlen`),
@@ -162,8 +173,7 @@ def to_packed(batch: ReplayBatch) -> PackedReplayBatch:
             for name, value in batch.data.items() if name != "attention_mask"}
     return PackedReplayBatch(data=data, handles=batch.handles, **{n: getattr(batch, n) for n in batch.BOOKKEEPING},
                              cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(batch) else 0,
-                             position_ids=position_ids_of(cu_seqlens, num_tokens), token_fields=batch.token_fields,
-                             pad_token_id=batch.pad_token_id)
+                             num_tokens=num_tokens, token_fields=batch.token_fields, pad_token_id=batch.pad_token_id)
 
 
 def concat(first: PackedReplayBatch, second: PackedReplayBatch) -> PackedReplayBatch:
@@ -178,7 +188,7 @@ def concat(first: PackedReplayBatch, second: PackedReplayBatch) -> PackedReplayB
         data={name: torch.cat([value, second.data[name]]) for name, value in first.data.items()}, handles=handles,
         **{n: torch.cat([getattr(first, n), getattr(second, n)]) for n in PackedReplayBatch.BOOKKEEPING},
         cu_seqlens=cu_seqlens, max_seqlen=max(first.max_seqlen, second.max_seqlen),
-        position_ids=torch.cat([first.position_ids, second.position_ids]),
+        num_tokens=first.num_tokens + second.num_tokens,
         token_fields=first.token_fields or second.token_fields, pad_token_id=first.pad_token_id)
 
 
@@ -196,19 +206,13 @@ def assemble_packed(assembler: BatchAssembler, plan: Plan) -> PackedReplayBatch:
     max_seqlen = int(lengths.max()) if lengths.numel() else 0
     if plan.device is None:
         data = _on_host(assembler, plan, gather, offsets, num_tokens, token_fields)
-        # A row's positions are a prefix of 0, 1, 2, ...: the same copy, from one shared row.
-        position_ids = assembler.output("packed position_ids", (num_tokens,), torch.int64, plan.reuse_output)
-        if lengths.numel():
-            zeros = torch.zeros_like(lengths)
-            ops.pack_rows([torch.arange(max_seqlen)], zeros, zeros, lengths, offsets[:-1], position_ids)
     else:
         data = _on_device(assembler, plan.device, gather, offsets, num_tokens, token_fields)
         cu_seqlens = cu_seqlens.to(plan.device)
-        position_ids = position_ids_of(cu_seqlens, num_tokens)
     data.update(assembler.rollout_data(plan, gather))
     return PackedReplayBatch(data=data, handles=Handles(plan.slots, plan.generation), weights=plan.weights,
                              age=plan.age, reuse=plan.reuse, is_fresh=plan.is_fresh, cu_seqlens=cu_seqlens,
-                             max_seqlen=max_seqlen, position_ids=position_ids, token_fields=tuple(token_fields),
+                             max_seqlen=max_seqlen, num_tokens=num_tokens, token_fields=tuple(token_fields),
                              pad_token_id=assembler.pad_token_id)
 
 
