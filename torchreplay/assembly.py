@@ -38,6 +38,16 @@ class Handles:
         return zip(self.slot.tolist(), self.generation.tolist())
 
 
+def move_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`: as it is when already there; from the CPU to CUDA through pinned memory,
+    non-blocking (the batch types' `to`)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class ReplayBatch:
     """A padded training batch. `data` holds every field as [B, T, ...] (token) or [B] (rollout)
@@ -95,11 +105,7 @@ class ReplayBatch:
         device = torch.device(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                return t
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return move_tensor(t, device)
 
         return ReplayBatch.assembled({k: move(v) for k, v in self.data.items()}, self.handles,
                                      **{name: move(getattr(self, name)) for name in self.BOOKKEEPING},

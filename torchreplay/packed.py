@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from torchreplay._ops import ops
-from torchreplay.assembly import BatchAssembler, Handles, Plan, ReplayBatch, padding_mask
+from torchreplay.assembly import BatchAssembler, Handles, Plan, ReplayBatch, move_tensor, padding_mask
 from torchreplay.padded import SIDES
 from torchreplay.schema import TOKEN
 from torchreplay.storage import Gather
@@ -97,11 +97,7 @@ class PackedReplayBatch:
         device = torch.device(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                return t
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return move_tensor(t, device)
 
         derived = self.derived_position_ids
         return PackedReplayBatch(data={k: move(v) for k, v in self.data.items()}, handles=self.handles,
