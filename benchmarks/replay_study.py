@@ -31,6 +31,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,34 +39,52 @@ from typing import Any
 
 import torch
 
+import study_report
 from torchreplay.demo import report, runner
 from torchreplay.demo.runner import ArmConfig, DemoConfig
 
 # Learning rate x (fresh prompts per step, group size): the same tuning budget for every arm.
 TUNING_GRID = [(lr, prompts, group) for lr in (3e-4, 1e-3) for prompts, group in ((8, 8), (4, 16))]
+# Training prompts: a fixed set of this many per seed, visited in epochs (DemoConfig.prompt_pool).
+# The prompt-level rules (AR3PO, RePO) need prompts that come back; a dataset revisited in epochs
+# is how RL post-training runs. The sort task then makes ~5 epochs of its budget, arithmetic ~10
+# (its generator has only ~240 distinct 2-term questions, so its prompts recur in any case).
+PROMPT_POOL = 1024
 BASE = dict(replay_ratio=0.5, max_staleness=4, max_reuse=4)
-PRIOR_BASE = dict(sampler="prioritized", alpha=0.6, beta=0.4, weight_norm="batch_max", keep_zero_advantage=False)
+PRIOR_BASE = dict(sampler="prioritized", alpha=0.6, beta=0.4, weight_norm="batch_mean", keep_zero_advantage=False)
+# The peer rules look a prompt up again when it comes back: on the sort task one epoch later on
+# average (128 steps at 8 prompts a step, 256 at 4; a return takes 0 to 2 epochs). The staleness
+# cap spans the average return at both shapes, all returns at 8 x 8, and the buffer holds that
+# many steps of 64 rollouts. Arithmetic prompts come back within ~30 steps.
+RULE_BASE = dict(max_staleness=256, max_reuse=4, capacity=16384)
+# Our samplers joined to a rule share its buffer and caps; FreshnessSampler's age decay (tau 4
+# versions) keeps the sampler's own draws fresh under the rule's wide staleness cap.
+FRESH_SAMPLER = dict(replay_ratio=0.5, **{**PRIOR_BASE, "sampler": "freshness", "tau": 4.0})
+LIBRARY_ARMS, PEER_ARMS = study_report.LIBRARY_ARMS, study_report.PEER_ARMS
 
 
 def study_arms() -> list[ArmConfig]:
-    """Every arm of the study, at placeholder lr and batch shape (the tuning grid sets them)."""
+    """Every arm of the study, at placeholder lr and batch shape (the tuning grid sets them): on-policy,
+    this library's samplers, the three peer rules (torchreplay.rules) and our sampler joined to the
+    two prompt-level rules. The prioritized sampler's own factors (alpha, beta, weight norm, caps)
+    were studied one at a time in git history (f889b5d, 51286b6); `prior` is their winner."""
     def arm(name: str, **kw: Any) -> ArmConfig:
         return ArmConfig(name=name, lr=3e-4, prompts_per_step=8, group_size=8, **kw)
 
-    arms = [arm("on-policy"), arm("uniform-replay", sampler="uniform", **BASE),
-            arm("prior-base", **BASE, **PRIOR_BASE)]
-    variations: list[tuple[str, dict[str, Any]]] = [
-        ("prior-alpha0.3", {"alpha": 0.3}), ("prior-alpha1.0", {"alpha": 1.0}),
-        ("prior-beta-anneal", {"beta_anneal": True}),
-        ("prior-norm-batch_mean", {"weight_norm": "batch_mean"}), ("prior-norm-buffer_max", {"weight_norm": "buffer_max"}),
-        ("prior-keep-zero-adv", {"keep_zero_advantage": True}),
-        ("prior-reuse2", {"max_reuse": 2}), ("prior-reuse8", {"max_reuse": 8}),
-        ("prior-stale2", {"max_staleness": 2}), ("prior-stale8", {"max_staleness": 8}),
+    return [
+        arm("on-policy"),
+        arm("uniform-replay", sampler="uniform", **BASE),
+        arm("prior", **BASE, **PRIOR_BASE),
+        arm("freshness", **{**BASE, **PRIOR_BASE, "sampler": "freshness", "tau": 4.0}),
+        # TRL's GRPOWithReplayBuffer keeps 64 groups by default (replay_buffer_size).
+        arm("group-swap", rule="group-swap", rule_capacity=64, **RULE_BASE),
+        # AR3PO reuses a correct earlier response for a group with none.
+        arm("response-reuse", rule="response-reuse", rule_per_prompt=1, **RULE_BASE),
+        # RePO's headline setting: as many off-policy samples per prompt as on-policy ones (8 and 8).
+        arm("prompt-replay", rule="prompt-replay", rule_per_prompt=8, rule_strategy="recent", **RULE_BASE),
+        arm("freshness+response-reuse", rule="response-reuse", rule_per_prompt=1, **RULE_BASE, **FRESH_SAMPLER),
+        arm("freshness+prompt-replay", rule="prompt-replay", rule_per_prompt=8, **RULE_BASE, **FRESH_SAMPLER),
     ]
-    for name, change in variations:
-        arms.append(arm(name, **{**BASE, **PRIOR_BASE, **change}))
-    arms.append(arm("freshness", **{**BASE, **PRIOR_BASE, "sampler": "freshness", "tau": 4.0}))
-    return arms
 
 
 def task_config(task: str, budget: int | None) -> DemoConfig:
@@ -77,11 +96,24 @@ def task_config(task: str, budget: int | None) -> DemoConfig:
     if budget is not None:
         cfg.budget_tokens = budget
     cfg.eval_every_tokens = max(cfg.budget_tokens // 20, 1)
+    cfg.prompt_pool = PROMPT_POOL
     return cfg
 
 
-def run_key(task: str, phase: str, arm: ArmConfig, seed: int, budget: int) -> str:
-    return f"{task}|{phase}|{arm.name}|lr={arm.lr:g}|{arm.prompts_per_step}x{arm.group_size}|seed={seed}|{budget}"
+def run_key(task: str, phase: str, arm: ArmConfig, seed: int, cfg: DemoConfig) -> str:
+    return (f"{task}|{phase}|{arm.name}|lr={arm.lr:g}|{arm.prompts_per_step}x{arm.group_size}|seed={seed}"
+            f"|{cfg.budget_tokens}|pool={cfg.prompt_pool}")
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One line, one write(2) on an O_APPEND descriptor: processes sharing `path` never interleave."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short append to {path}")
+    finally:
+        os.close(fd)
 
 
 def load(out: Path) -> list[dict[str, Any]]:
@@ -97,14 +129,35 @@ def score(record: dict[str, Any]) -> tuple[float, float]:
     return float(reached), -float(r["final_acc"])
 
 
-def best_settings(records: list[dict[str, Any]], task: str) -> dict[str, ArmConfig]:
+def best_records(records: list[dict[str, Any]], task: str) -> dict[str, dict[str, Any]]:
+    """Each arm's best tuning run (lowest `score`) on `task`."""
     best: dict[str, dict[str, Any]] = {}
     for rec in records:
         if rec["task"] == task and rec["phase"] == "tune":
             name = rec["arm"]["name"]
             if name not in best or score(rec) < score(best[name]):
                 best[name] = rec
-    return {name: ArmConfig(**rec["arm"]) for name, rec in best.items()}
+    return best
+
+
+def best_settings(records: list[dict[str, Any]], task: str) -> dict[str, ArmConfig]:
+    return {name: ArmConfig(**rec["arm"]) for name, rec in best_records(records, task).items()}
+
+
+def final_arms(records: list[dict[str, Any]], task: str) -> list[ArmConfig]:
+    """The final phase's arms, each at its tuned setting: on-policy, this library's best sampler arm,
+    every peer rule, and the best of our sampler joined to a rule. ValueError until every arm has
+    run the whole tuning grid (the choice must not depend on which runs happen to be done)."""
+    names = [a.name for a in study_arms()]
+    runs = {(r["arm"]["name"], r["key"]) for r in records if r["task"] == task and r["phase"] == "tune"}
+    missing = [n for n in names if sum(1 for name, _ in runs if name == n) < len(TUNING_GRID)]
+    if missing:
+        raise ValueError(f"{task}: tune phase incomplete for {', '.join(missing)}")
+    best = best_records(records, task)
+    combos = [n for n in names if "+" in n]
+    chosen = ["on-policy", min(LIBRARY_ARMS, key=lambda n: score(best[n])), *PEER_ARMS,
+              min(combos, key=lambda n: score(best[n]))]
+    return [ArmConfig(**best[n]["arm"]) for n in chosen]
 
 
 def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out: Path, budget: int | None,
@@ -119,7 +172,7 @@ def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out:
         init, _ = runner.warm_start(cfg, seed)
         evaluation = runner.eval_set(cfg, seed)
         for arm in arms:
-            key = run_key(task, phase, arm, seed, cfg.budget_tokens)
+            key = run_key(task, phase, arm, seed, cfg)
             if key in done:
                 continue
             start = time.perf_counter()
@@ -127,8 +180,7 @@ def execute(task: str, phase: str, arms: list[ArmConfig], seeds: list[int], out:
             record = {"key": key, "task": task, "phase": phase, "seed": seed, "arm": dataclasses.asdict(arm),
                       "config": dataclasses.asdict(dataclasses.replace(cfg, arms=[])), "result": result,
                       "unix_s": time.time()}
-            with append_to.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(append_to, record)
             print(f"{key}: final acc {result['final_acc']:.3f}, tokens to target {result['tokens_to_target']}, "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
 
@@ -174,9 +226,22 @@ def write_report(task: str, out: Path, report_dir: Path) -> None:
     print("\n".join(lines))
 
 
+def write_docs(records: list[dict[str, Any]], report_dir: Path, readme: Path, findings: Path) -> None:
+    """Both tasks' summaries to `report_dir/summary.json`, and the README's and the findings page's
+    generated sections rewritten from them (the date is the newest final run's)."""
+    tasks = [t for t in ("arithmetic", "sort") if any(r["task"] == t and r["phase"] == "final" for r in records)]
+    summaries = [study_report.summarize_task(records, task) for task in tasks]
+    newest = max(r["unix_s"] for r in records if r["phase"] == "final")
+    date = time.strftime("%Y-%m-%d", time.gmtime(newest))
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    study_report.replace_generated(readme, study_report.readme_section(summaries, date))
+    study_report.replace_generated(findings, study_report.findings_section(summaries, records, date))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=("tune", "final", "report"))
+    parser.add_argument("phase", choices=("tune", "final", "report", "docs"))
     parser.add_argument("--task", choices=("sort", "arithmetic"), default="arithmetic")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/replay_study.jsonl"))
     parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/results/replay_study"))
@@ -186,10 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append-to", type=Path, default=None,
                         help="append new records here instead of --out (to split a phase over processes)")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
+    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="docs phase: README to regenerate")
+    parser.add_argument("--findings", type=Path, default=Path("docs/demo_findings.md"),
+                        help="docs phase: findings page to regenerate")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.phase == "report":
         write_report(args.task, args.out, args.report_dir)
+        return 0
+    if args.phase == "docs":
+        write_docs(load(args.out), args.report_dir, args.readme, args.findings)
         return 0
     if args.phase == "tune":
         arms = [a for a in study_arms() if args.arms is None or a.name in args.arms.split(",")]
@@ -197,15 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                 for lr, p, g in TUNING_GRID]
         execute(args.task, "tune", grid, [0], args.out, args.budget, args.append_to)
         return 0
-    best = best_settings(load(args.out), args.task)
-    priors = [n for n in best if n.startswith("prior")]
-    if not priors or "on-policy" not in best:
-        print("run the tune phase first (on-policy and at least one prioritized arm)", file=sys.stderr)
+    try:
+        chosen = final_arms(load(args.out), args.task)
+    except ValueError as exc:
+        print(f"run the tune phase first: {exc}", file=sys.stderr)
         return 2
-    best_prior = min(priors, key=lambda n: score(min(
-        (r for r in load(args.out) if r["task"] == args.task and r["phase"] == "tune" and r["arm"]["name"] == n),
-        key=score)))
-    chosen = [best[n] for n in ("on-policy", "uniform-replay", best_prior, "freshness") if n in best]
     execute(args.task, "final", [copy.deepcopy(a) for a in chosen], list(range(args.first_seed, args.seeds)),
             args.out, args.budget, args.append_to)
     return 0

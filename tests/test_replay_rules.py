@@ -196,13 +196,13 @@ def test_response_reuse_respects_staleness_and_reuse_caps():
 
 
 # ---------------------------------------------------------------------- RePO: prompt replay
-def test_prompt_replay_joins_stored_rollouts_of_each_prompt_to_its_group():
+def test_prompt_replay_pooled_joins_stored_rollouts_of_each_prompt_to_its_group():
     """Fails if the fresh rows keep the caller's advantages instead of the pooled ones."""
     buf = make_buffer()
     index = PromptIndex(buf)
     old = seed(buf, index, group(A, [1, 0, 0.5], 0, 0), group(B, [1], 0, 1), group([7, 7], [1], 0, 2))
     fresh = cat(group(A, [1, 0], 1, 3), group(B, [0, 0], 1, 4))
-    step = apply_rule(buf, index, PromptReplay(per_prompt=2, strategy="recent"), fresh)
+    step = apply_rule(buf, index, PromptReplay(per_prompt=2, strategy="recent", advantage="pooled"), fresh)
     plan = step.plan
     # Newest first within each prompt (A's last two, then B's one); the other prompt is not asked for.
     assert plan.replay.slot.tolist() == rows(old, 2, 1, 3)
@@ -213,6 +213,51 @@ def test_prompt_replay_joins_stored_rollouts_of_each_prompt_to_its_group():
     assert plan.replay_weights.tolist() == [1.0] * 3
     assert step.replayed.reward.tolist() == [0.5, 0.0, 1.0]
     assert buf.ledger.slots.reuse[plan.replay.slot].tolist() == [1, 1, 1]
+
+
+def test_prompt_replay_separate_normalizes_the_retrieved_rows_among_themselves():
+    """RePO's default: an on-policy term with the caller's advantages and an off-policy term with
+    the retrieved rows' own group advantages. Fails if the fresh advantages are touched (the pooled
+    mode) or the retrieved rows keep their stored advantages."""
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    seed(buf, index, group(A, [1, 0, 0.5], 0, 0), group(B, [1], 0, 1))
+    fresh = cat(group(A, [1, 0], 1, 3), group(B, [0, 0], 1, 4))
+    caller = torch.tensor([0.7, -0.7, 0.0, 0.0])
+    step = apply_rule(buf, index, PromptReplay(per_prompt=2), dict(fresh, advantage=caller))
+    assert torch.equal(step.plan.fresh_advantage, caller)
+    assert torch.allclose(step.plan.replay_advantage, torch.cat([
+        group_advantages(torch.tensor([0.5, 0.0])), group_advantages(torch.tensor([1.0]))]))
+    assert step.fresh.advantage.tolist() == pytest.approx(caller.tolist())
+    with pytest.raises(ValueError, match="advantage"):
+        PromptReplay(advantage="mixed")
+
+
+def test_group_swap_state_round_trips_and_refuses_a_bad_one():
+    """The kept groups survive state_dict -> load_state_dict into a new rule (so a resumed trainer
+    swaps in the same groups); a malformed state is refused by name and changes nothing."""
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    rule = GroupSwap(capacity=4)
+    apply_rule(buf, index, rule, cat(group(A, [1, 0], 0, 0), group(B, [1, 0.5, 0], 0, 1)))
+    assert len(rule.groups) == 2
+    twin = GroupSwap(capacity=4)
+    twin.load_state_dict(rule.state_dict())
+    assert [(s, h.slot.tolist(), h.generation.tolist()) for s, h in twin.groups] == \
+        [(s, h.slot.tolist(), h.generation.tolist()) for s, h in rule.groups]
+    gen = torch.Generator().manual_seed(3)
+    swapped = apply_rule(buf, index, twin, group([9, 9], [0, 0], 1, 2), generator=gen).plan
+    assert len(swapped.replay) > 0
+    bad = dict(rule.state_dict(), size=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="sizes"):
+        twin.load_state_dict(bad)
+    with pytest.raises(ValueError, match="scores"):
+        twin.load_state_dict(dict(rule.state_dict(), score=torch.tensor([float("nan"), 1.0])))
+    assert len(twin.groups) == 2
+    # A state naming slots past this buffer's capacity is dropped at the next plan, not an IndexError.
+    far = dict(rule.state_dict(), slot=rule.state_dict()["slot"] + 10_000)
+    twin.load_state_dict(far)
+    assert len(apply_rule(buf, index, twin, group([8, 8], [0, 0], 2, 3)).plan.replay) == 0
 
 
 def test_prompt_replay_strategies():

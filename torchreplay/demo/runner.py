@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 import torchreplay as tr
+from torchreplay import rules
 from torchreplay.demo import report
 from torchreplay.demo.grpo import group_advantages, grpo_loss
+from torchreplay.demo.peer_arms import PromptStream, make_rule, rule_rows
 from torchreplay.demo.policy import TinyCausalLM, generate, sft_warm_start
 from torchreplay.demo.state import TrainerCheckpoint, load_optimizer_state, optimizer_state
 from torchreplay.demo.task import SortTask
@@ -47,6 +49,12 @@ class ArmConfig:
         max_staleness: policy versions a rollout may lag before eviction.
         max_reuse: times a rollout may be sampled before eviction.
         capacity: buffer slots, in rollouts.
+        rule: a peer replay rule from `torchreplay.rules` (`peer_arms.RULES`): "group-swap" (TRL's
+            GRPOWithReplayBuffer), "response-reuse" (AR3PO), "prompt-replay" (RePO), or None. With
+            ``replay_ratio > 0`` as well, the sampler's draws join the rule's (a combination arm).
+        rule_per_prompt: stored rollouts a prompt may take per step (response-reuse, prompt-replay).
+        rule_strategy: prompt-replay's retrieval order ("recent", "reward" or "random").
+        rule_capacity: groups group-swap keeps.
     """
 
     name: str
@@ -64,6 +72,10 @@ class ArmConfig:
     max_staleness: int | None = 4
     max_reuse: int | None = 4
     capacity: int = 4096
+    rule: str | None = None
+    rule_per_prompt: int = 4
+    rule_strategy: str = "recent"
+    rule_capacity: int = 64
 
 
 @dataclass
@@ -89,6 +101,9 @@ class DemoConfig:
             Laws for Neural Language Models", sec. 2.1). Memory-bound decoding makes generation
             dearer per token in wall time on real hardware; pass your own measured ratio.
         checkpoint_every: optimizer steps between checkpoints (buffer + trainer).
+        prompt_pool: train on a fixed set of this many prompts (drawn once per seed, a new random
+            order each epoch), as RL post-training makes epochs over a dataset; None draws every
+            training prompt fresh.
         arms: the arms to train.
     """
 
@@ -107,6 +122,7 @@ class DemoConfig:
     threads: int = 1
     gen_cost_per_token: float = 1 / 3
     checkpoint_every: int = 25
+    prompt_pool: int | None = None
     arms: list[ArmConfig] = field(default_factory=list)
 
 
@@ -217,12 +233,19 @@ def train_arm(
     prompt_gen = torch.Generator().manual_seed(seed * 1000 + 1)
     sample_gen = torch.Generator().manual_seed(seed * 1000 + 2)
     replay_gen = torch.Generator().manual_seed(seed * 1000 + 3)
+    stream = PromptStream(task, cfg.prompt_pool, seed, prompt_gen)
+    rule = make_rule(arm)
+    uses_buffer = arm.replay_ratio > 0 or rule is not None
+    # The rules find a prompt's stored rollouts by its key, a field every rollout then carries.
+    extra_fields = rules.prompt_key_field() if rule is not None else None
+
     def new_buffer() -> tr.RolloutBuffer:
         return tr.RolloutBuffer(
             capacity=arm.capacity,
             sampler=make_sampler(arm),
             max_staleness=arm.max_staleness,
             max_reuse=arm.max_reuse,
+            extra_fields=extra_fields,
             storage=storage(),
             checkpoint=tr.Checkpointer(f"{checkpoint_uri}/buffer", interval_s=3600, endpoint_url=endpoint_url)
             if checkpoint_uri else None,
@@ -238,7 +261,7 @@ def train_arm(
     buf = None
     start = time.perf_counter()
     if saved is None:
-        buf = new_buffer() if arm.replay_ratio > 0 else None
+        buf = new_buffer() if uses_buffer else None
         tokens_used, version, next_gid, trained_rollouts, trained_tokens = 0, 0, 0, 0, 0
         curve = [(0, evaluate(model, task, *eval_set))]
         compute_curve = [(0.0, curve[0][1])]
@@ -255,12 +278,20 @@ def train_arm(
         curve = [tuple(p) for p in saved["curve"]]
         compute_curve = [tuple(p) for p in saved["compute_curve"]]
         entropy, clip_frac, elapsed = saved["entropy"], saved["clip_frac"], saved["elapsed"]
-        if arm.replay_ratio > 0:
+        if "prompt_stream" in saved:
+            stream.load(saved["prompt_stream"])
+        if rule is not None and "rule" in saved:
+            rule.load_state_dict(saved["rule"])
+        if uses_buffer:
             buf = tr.RolloutBuffer.from_checkpoint(
                 f"{checkpoint_uri}/buffer", endpoint_url=endpoint_url, tag=saved["version"],
                 storage=storage(), checkpoint=True, progress=False, sampler=make_sampler(arm))
         if progress is not None:
             progress.update(tokens_used)
+
+    index = rules.PromptIndex(buf) if rule is not None else None
+    if index is not None and saved is not None:
+        index.rebuild()
 
     def save_checkpoint() -> None:
         if buf is not None:
@@ -273,10 +304,12 @@ def train_arm(
             "next_eval": next_eval,
             "curve": [list(p) for p in curve], "compute_curve": [list(p) for p in compute_curve], "entropy": entropy, "clip_frac": clip_frac,
             "elapsed": elapsed + time.perf_counter() - start,
+            **({"prompt_stream": stream.state()} if cfg.prompt_pool is not None else {}),
+            **({"rule": rule.state_dict()} if hasattr(rule, "state_dict") else {}),
         })
 
     while tokens_used < cfg.budget_tokens:
-        prompts, digits = task.prompts(arm.prompts_per_step, prompt_gen)
+        prompts, digits = stream.next(arm.prompts_per_step)
         prompts = prompts.repeat_interleave(arm.group_size, dim=0)
         digits = digits.repeat_interleave(arm.group_size, dim=0)
         ro = generate(model, prompts, task.max_new_tokens, task.eos_id, sample_gen)
@@ -291,6 +324,15 @@ def train_arm(
         if buf is None:
             tokens, mask, old_lp = ro.tokens, ro.response_mask, ro.logprobs
             batch_adv, weights = adv, torch.ones_like(adv)
+            step_tokens = int(ro.lengths.sum())
+        elif rule is not None:
+            fresh = _fresh_dict(ro, reward, adv, gid, version, task.prompt_len)
+            step = rules.apply_rule(buf, index, rule, fresh, generator=replay_gen,
+                                       replay_ratio=arm.replay_ratio if arm.replay_ratio > 0 else None)
+            rows = rule_rows(step, len(reward))
+            tokens, mask, old_lp = rows.tokens, rows.response_mask, rows.logprobs
+            batch_adv, weights, step_tokens = rows.advantage, rows.weights, rows.trained_tokens
+            batch = step.fresh
         else:
             if arm.beta_anneal and arm.sampler != "uniform":
                 buf.sampler.beta = arm.beta + (1.0 - arm.beta) * min(tokens_used / cfg.budget_tokens, 1.0)
@@ -298,6 +340,7 @@ def train_arm(
             batch = buf.compose(fresh, replay_ratio=arm.replay_ratio, generator=replay_gen)
             tokens, mask, old_lp = batch.tokens, batch.response_mask, batch.logprobs
             batch_adv, weights = batch.advantage, batch.weights.float()
+            step_tokens = int(batch.attention_mask.sum())
         loss, stats = grpo_loss(model, tokens, mask, old_lp, batch_adv, weights, cfg.clip_eps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -305,12 +348,12 @@ def train_arm(
         version += 1
         trained_rollouts += tokens.shape[0]
         # Forward + backward runs over every real (unpadded) position of the batch, prompt included.
-        trained_tokens += int(batch.attention_mask.sum()) if buf is not None else int(ro.lengths.sum())
+        trained_tokens += step_tokens
         clip_frac = stats["clip_frac"]
         if buf is not None:
             # A group's advantage depends only on its rewards, which don't change; the stored values keep
             # the priorities current for handles that survived this step.
-            buf.update_priorities(batch.handles, batch.advantage)
+            buf.update_priorities(batch.handles, batch.advantage)  # the rule's own rows keep theirs
             buf.advance(version)
         if progress is not None:
             progress.update(min(ro.num_generated, cfg.budget_tokens - (tokens_used - ro.num_generated)))

@@ -179,21 +179,28 @@ class ResponseReuse(_PromptRetrieval):
 class PromptReplay(_PromptRetrieval):
     """RePO's replay-enhanced policy optimization (arXiv 2506.09340): for every prompt of the fresh
     batch, up to `per_prompt` stored rollouts of the same prompt are retrieved (`strategy`:
-    "recent", newest first; "reward", highest reward first; "random", uniformly) and join the
-    fresh group's advantage computation.
+    "recent", newest first; "reward", highest reward first; "random", uniformly) and trained on
+    next to the fresh group.
 
-    Advantages: `group_advantages` over the fresh and retrieved rewards together, for both (a
-    prompt with nothing retrievable keeps the caller's advantages). IS weights: 1 (see the module
-    docstring)."""
+    Advantages: with `advantage="separate"` (RePO's objective: an on-policy term plus an off-policy
+    term, each with its own group-normalized advantages, the paper's Figure 1 and Eq. for
+    J_RePO) the fresh rows keep the caller's advantages and the retrieved rows of a prompt get
+    `group_advantages` over their own rewards; with `"pooled"` the fresh and retrieved rewards of a
+    prompt are normalized together, for both. A prompt with nothing retrievable keeps the caller's
+    advantages. IS weights: 1 (see the module docstring)."""
 
     STRATEGIES = ("recent", "reward", "random")
+    ADVANTAGES = ("separate", "pooled")
 
-    def __init__(self, per_prompt: int = 4, strategy: str = "recent", eps: float = 1e-6) -> None:
+    def __init__(self, per_prompt: int = 4, strategy: str = "recent", advantage: str = "separate",
+                 eps: float = 1e-6) -> None:
         if per_prompt < 1:
             raise ValueError(f"per_prompt must be >= 1, got {per_prompt}")
         if strategy not in self.STRATEGIES:
             raise ValueError(f"strategy must be one of {self.STRATEGIES}, got {strategy!r}")
-        self.per_prompt, self.strategy, self.eps = int(per_prompt), strategy, float(eps)
+        if advantage not in self.ADVANTAGES:
+            raise ValueError(f"advantage must be one of {self.ADVANTAGES}, got {advantage!r}")
+        self.per_prompt, self.strategy, self.advantage, self.eps = int(per_prompt), strategy, advantage, float(eps)
 
     def plan(self, buffer: RolloutBuffer, index: PromptIndex, groups: FreshGroups,
              generator: torch.Generator | None = None) -> RulePlan:
@@ -213,9 +220,12 @@ class PromptReplay(_PromptRetrieval):
             if slot.numel() == 0:
                 continue
             taken.update(slot.tolist())
+            replay.append((slot, generation))
+            if self.advantage == "separate":
+                replay_advantage.append(group_advantages(rewards[slot], self.eps))
+                continue
             pooled = group_advantages(torch.cat([groups.reward[rows], rewards[slot]]), self.eps)
             advantage[rows] = pooled[:rows.numel()]
-            replay.append((slot, generation))
             replay_advantage.append(pooled[rows.numel():])
         return RulePlan.build(groups, advantage, None, replay, replay_advantage)
 
@@ -240,7 +250,9 @@ class GroupSwap:
 
     def plan(self, buffer: RolloutBuffer, index: PromptIndex, groups: FreshGroups,
              generator: torch.Generator | None = None) -> RulePlan:
-        self.groups = [(s, h) for s, h in self.groups if bool(replayable(buffer, h, groups.version).all())]
+        capacity = buffer.ledger.capacity  # a loaded state may name slots of a smaller buffer
+        self.groups = [(s, h) for s, h in self.groups
+                       if int(h.slot.max()) < capacity and bool(replayable(buffer, h, groups.version).all())]
         train, replay, replay_advantage = torch.ones(groups.prompt_key.numel(), dtype=torch.bool), [], []
         scores = torch.tensor([s for s, _ in self.groups], dtype=torch.float64)
         for key in zero_variance_prompts(groups.prompt_key, groups.reward).tolist():
@@ -265,6 +277,31 @@ class GroupSwap:
         self.groups.sort(key=lambda entry: -entry[0])
         del self.groups[self.capacity:]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The kept groups as tensors (for a trainer checkpoint next to the buffer's): scores,
+        group sizes, and the rollouts' slots and generations, concatenated."""
+        return {"score": torch.tensor([s for s, _ in self.groups], dtype=torch.float64),
+                "size": torch.tensor([len(h) for _, h in self.groups], dtype=torch.int64),
+                "slot": torch.cat([h.slot for _, h in self.groups]) if self.groups else _EMPTY.clone(),
+                "generation": torch.cat([h.generation for _, h in self.groups]) if self.groups else _EMPTY.clone()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt `state_dict()`'s output, checked first (a bad one is a ValueError and changes nothing).
+        Kept groups are handles into the buffer restored with them: one whose rollouts died since is
+        dropped at the next `plan`."""
+        score, size = torch.as_tensor(state["score"]).reshape(-1), torch.as_tensor(state["size"]).reshape(-1)
+        slot, generation = torch.as_tensor(state["slot"]).reshape(-1), torch.as_tensor(state["generation"]).reshape(-1)
+        if score.numel() != size.numel() or score.numel() > self.capacity:
+            raise ValueError(f"GroupSwap state: {score.numel()} scores, {size.numel()} sizes, capacity {self.capacity}")
+        if bool((size < 1).any()) or int(size.sum()) != slot.numel() or slot.numel() != generation.numel():
+            raise ValueError("GroupSwap state: group sizes do not match the slots and generations")
+        if not bool(torch.isfinite(score).all()) or bool((score <= 0).any()):
+            raise ValueError("GroupSwap state: scores must be finite and > 0")
+        if bool((slot < 0).any()):
+            raise ValueError("GroupSwap state: slots must be >= 0")
+        parts = zip(slot.to(torch.int64).split(size.tolist()), generation.to(torch.int64).split(size.tolist()))
+        self.groups = [(float(sc), Handles(sl, gen)) for sc, (sl, gen) in zip(score.tolist(), parts)]
+
 
 @dataclass(frozen=True)
 class RuleStep:
@@ -277,19 +314,27 @@ class RuleStep:
 
 
 def apply_rule(buffer: RolloutBuffer, index: PromptIndex, rule: GroupRule, fresh: Mapping[str, Any],
-               generator: torch.Generator | None = None, layout: str = "padded") -> RuleStep:
+               generator: torch.Generator | None = None, layout: str = "padded",
+               replay_ratio: float | None = None) -> RuleStep:
     """Plan with `rule`, read the planned rollouts (their use counted, before the fresh rows can
     evict them), then `compose` the fresh rows (prompt keys filled in, advantages from the plan)
-    with no other replay, note them in `index` and tell the rule. Train on `fresh` where
-    `plan.fresh_train`, with `plan.fresh_advantage`, and on `replayed` with `plan.replay_advantage`
-    and `plan.replay_weights`. Not all-or-nothing across its two calls: a `fresh` that `compose`
-    refuses leaves the planned rows' uses counted (each call by itself changes nothing when it fails).
-    A rule's own state (GroupSwap's kept groups) is not part of the buffer's checkpoints."""
+    with the buffer's own sampler drawing `replay_ratio` of the composed batch (none by default),
+    note them in `index` and tell the rule. Train on `fresh`'s first rows (the fresh ones) where
+    `plan.fresh_train`, with `plan.fresh_advantage`, on the rest of `fresh` (the sampler's draws,
+    with their stored advantages and IS weights), and on `replayed` with `plan.replay_advantage`
+    and `plan.replay_weights`. The sampler's draw and the rule's are independent: a rollout both
+    pick trains twice that step and counts twice towards `max_reuse`. Not all-or-nothing across its
+    two calls: a `fresh` that `compose` refuses leaves the planned rows' uses counted (each call by itself changes nothing when it fails).
+    A rule's own state (GroupSwap's kept groups) is not part of the buffer's checkpoints: save its
+    `state_dict()` with the trainer's."""
     fresh = with_prompt_keys(fresh)
     groups = FreshGroups.of(buffer, fresh)
     plan = rule.plan(buffer, index, groups, generator)
     replayed = buffer.gather(plan.replay.slot, layout=layout) if len(plan.replay) else None
-    batch = buffer.compose(dict(fresh, advantage=plan.fresh_advantage), n_replay=0, layout=layout)
-    index.note(batch.handles, groups.prompt_key)
-    rule.observe(buffer, groups, batch.handles, plan)
+    amount = {"n_replay": 0} if replay_ratio is None else {"replay_ratio": replay_ratio}
+    batch = buffer.compose(dict(fresh, advantage=plan.fresh_advantage), generator=generator, layout=layout, **amount)
+    n = groups.prompt_key.numel()
+    stored = Handles(batch.handles.slot[:n], batch.handles.generation[:n])  # the fresh rows come first
+    index.note(stored, groups.prompt_key)
+    rule.observe(buffer, groups, stored, plan)
     return RuleStep(plan, batch, replayed)
