@@ -3,8 +3,6 @@ rule step trains on, and a rule arm's exact resume."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -99,15 +97,3 @@ def test_a_rule_arm_trains_on_its_replayed_rows_and_resumes_exactly(tmp_path, mo
     assert resumed["curve"] == straight["curve"]
     assert resumed["trained_rollouts"] == straight["trained_rollouts"]
     assert resumed["trained_tokens"] == straight["trained_tokens"]
-
-
-def test_an_arm_without_a_rule_trains_as_before_on_the_endless_stream():
-    """`prompt_pool=None` and `rule=None` leave a run exactly as the demo ran before the rules:
-    the same curve as the same arm with the fields spelled out at their defaults."""
-    cfg = runner.default_config(quick=True)
-    init, _ = runner.warm_start(cfg, 0)
-    ev = runner.eval_set(cfg, 0)
-    arm = cfg.arms[1]
-    a = runner.train_arm(arm, cfg, init, 0, ev)
-    b = runner.train_arm(dataclasses.replace(arm, rule=None), dataclasses.replace(cfg, prompt_pool=None), init, 0, ev)
-    assert a["curve"] == b["curve"] and a["trained_tokens"] == b["trained_tokens"]
