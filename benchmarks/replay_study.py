@@ -1,28 +1,32 @@
-"""The replay study (issue #17): does |A|-prioritized replay save generation compute, where, and
-with which settings? Resumable: every finished run is one JSON line appended to `--out`, and a
-rerun skips what is there, so a killed study continues where it stopped.
+"""The replay study (issues #17 and #29): does replay save generation compute, which of this
+library's samplers does it best, and how do they fare against the replay rules of the literature?
+Resumable: every finished run is one JSON line appended to `--out`, and a rerun skips what is
+there, so a killed study continues where it stopped.
 
-Arms (same tiny policy, SFT warm start, prompt stream and generation budget as `torchreplay demo`):
+Arms (`torchreplay.demo.arms.study_arms()`; the same tiny policy, SFT warm start, fixed prompt set
+and generation budget as `torchreplay demo`):
 - on-policy GRPO;
-- uniform FIFO replay (Arnal et al., arXiv 2604.08706);
-- |A|-prioritized replay, fresh-anchored, with age eviction (arXiv 2606.04560): a base arm and one
-  factor changed at a time: alpha {0.3, 0.6, 1.0}, beta fixed 0.4 or annealed to 1, weight norm
-  {batch_max, batch_mean, buffer_max}, zero-advantage rollouts left out or kept, reuse cap
-  {2, 4, 8}, staleness cap {2, 4, 8};
-- FreshnessSampler (|A| decayed by age).
-A full factorial of the prioritized factors is 324 arms; one factor at a time around the base is
-what two cores can run, and it answers which setting matters.
+- this library's samplers: uniform FIFO replay (Arnal et al., arXiv 2604.08706), |A|-prioritized
+  replay (PrioritizedSampler's defaults, the winners of the one-factor-at-a-time study in git
+  history), FreshnessSampler (|A| decayed by age);
+- the peer rules (torchreplay.rules): TRL's group swap, AR3PO's response reuse (arXiv 2509.25808),
+  RePO's prompt replay (arXiv 2506.09340);
+- FreshnessSampler joined to each prompt-level rule.
 
 Phases:
 - `tune`: every arm on seed 0 over the same grid of learning rate x batch shape (TUNING_GRID);
-- `final`: on-policy, uniform, the best prioritized arm and the freshness arm, each at its best
-  tuned setting, over `--seeds` (default 5);
+- `final`: once every arm has run the whole grid: on-policy, the best library sampler arm, the
+  three peer rules and the better combination, each at its best tuned setting, over `--seeds`
+  (default 5);
 - `report`: a markdown table and PNG plots (accuracy against generated tokens and against total
-  compute) from the JSON lines.
+  compute) from the JSON lines;
+- `docs`: benchmarks/results/replay_study/summary.json, and the generated sections of README.md and
+  docs/demo_findings.md, from the JSON lines (benchmarks/study_report.py).
 
     python benchmarks/replay_study.py tune   --task arithmetic
     python benchmarks/replay_study.py final  --task arithmetic
     python benchmarks/replay_study.py report --task arithmetic
+    python benchmarks/replay_study.py docs
 """
 
 from __future__ import annotations
@@ -40,51 +44,15 @@ from typing import Any
 import torch
 
 import study_report
-from torchreplay.demo import report, runner
-from torchreplay.demo.runner import ArmConfig, DemoConfig
+from torchreplay.demo import arms, report, runner
+from torchreplay.demo.arms import ArmConfig
+from torchreplay.demo.runner import DemoConfig
 
 # Learning rate x (fresh prompts per step, group size): the same tuning budget for every arm.
 TUNING_GRID = [(lr, prompts, group) for lr in (3e-4, 1e-3) for prompts, group in ((8, 8), (4, 16))]
-# Training prompts: a fixed set of this many per seed, visited in epochs (DemoConfig.prompt_pool).
-# The prompt-level rules (AR3PO, RePO) need prompts that come back; a dataset revisited in epochs
-# is how RL post-training runs. The sort task then makes ~5 epochs of its budget, arithmetic ~10
-# (its generator has only ~240 distinct 2-term questions, so its prompts recur in any case).
-PROMPT_POOL = 1024
-BASE = dict(replay_ratio=0.5, max_staleness=4, max_reuse=4)
-PRIOR_BASE = dict(sampler="prioritized", alpha=0.6, beta=0.4, weight_norm="batch_mean", keep_zero_advantage=False)
-# The peer rules look a prompt up again when it comes back: on the sort task one epoch later on
-# average (128 steps at 8 prompts a step, 256 at 4; a return takes 0 to 2 epochs). The staleness
-# cap spans the average return at both shapes, all returns at 8 x 8, and the buffer holds that
-# many steps of 64 rollouts. Arithmetic prompts come back within ~30 steps.
-RULE_BASE = dict(max_staleness=256, max_reuse=4, capacity=16384)
-# Our samplers joined to a rule share its buffer and caps; FreshnessSampler's age decay (tau 4
-# versions) keeps the sampler's own draws fresh under the rule's wide staleness cap.
-FRESH_SAMPLER = dict(replay_ratio=0.5, **{**PRIOR_BASE, "sampler": "freshness", "tau": 4.0})
-LIBRARY_ARMS, PEER_ARMS = study_report.LIBRARY_ARMS, study_report.PEER_ARMS
-
-
-def study_arms() -> list[ArmConfig]:
-    """Every arm of the study, at placeholder lr and batch shape (the tuning grid sets them): on-policy,
-    this library's samplers, the three peer rules (torchreplay.rules) and our sampler joined to the
-    two prompt-level rules. The prioritized sampler's own factors (alpha, beta, weight norm, caps)
-    were studied one at a time in git history (f889b5d, 51286b6); `prior` is their winner."""
-    def arm(name: str, **kw: Any) -> ArmConfig:
-        return ArmConfig(name=name, lr=3e-4, prompts_per_step=8, group_size=8, **kw)
-
-    return [
-        arm("on-policy"),
-        arm("uniform-replay", sampler="uniform", **BASE),
-        arm("prior", **BASE, **PRIOR_BASE),
-        arm("freshness", **{**BASE, **PRIOR_BASE, "sampler": "freshness", "tau": 4.0}),
-        # TRL's GRPOWithReplayBuffer keeps 64 groups by default (replay_buffer_size).
-        arm("group-swap", rule="group-swap", rule_capacity=64, **RULE_BASE),
-        # AR3PO reuses a correct earlier response for a group with none.
-        arm("response-reuse", rule="response-reuse", rule_per_prompt=1, **RULE_BASE),
-        # RePO's headline setting: as many off-policy samples per prompt as on-policy ones (8 and 8).
-        arm("prompt-replay", rule="prompt-replay", rule_per_prompt=8, rule_strategy="recent", **RULE_BASE),
-        arm("freshness+response-reuse", rule="response-reuse", rule_per_prompt=1, **RULE_BASE, **FRESH_SAMPLER),
-        arm("freshness+prompt-replay", rule="prompt-replay", rule_per_prompt=8, **RULE_BASE, **FRESH_SAMPLER),
-    ]
+PROMPT_POOL = arms.PROMPT_POOL
+LIBRARY_ARMS, PEER_ARMS = arms.LIBRARY_ARMS, arms.PEER_ARMS
+study_arms = arms.study_arms
 
 
 def task_config(task: str, budget: int | None) -> DemoConfig:

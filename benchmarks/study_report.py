@@ -23,8 +23,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-LIBRARY_ARMS = ("uniform-replay", "prior", "freshness")
-PEER_ARMS = ("group-swap", "response-reuse", "prompt-replay")
+from torchreplay.demo import arms as demo_arms
+
+LIBRARY_ARMS, PEER_ARMS = demo_arms.LIBRARY_ARMS, demo_arms.PEER_ARMS
 LABELS = {
     "on-policy": "on-policy GRPO",
     "uniform-replay": "uniform FIFO replay",
@@ -173,7 +174,7 @@ def final_table(summary: dict[str, Any]) -> list[str]:
 
 
 def goal_lines(summary: dict[str, Any]) -> list[str]:
-    g, arms = summary["goals"], summary["arms"]
+    g = summary["goals"]
     best = g["best_arm"]
     verdict = "met" if g["saving_goal_met"] else "missed"
     lines = [f"- **50% fewer generated tokens at equal or better accuracy: {verdict}.** The best arm, "

@@ -24,7 +24,7 @@ def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
     res = json.loads((quick_out / "results.json").read_text())
     assert {"config", "summary", "runs", "seeds", "total_wall_s"} <= res.keys()
     runs = res["runs"][str(res["seeds"][0])]
-    assert set(runs) == {"on-policy", "prior-replay"}
+    assert set(runs) == {"on-policy", "prior"}
     budget = res["config"]["budget_tokens"]
     for r in runs.values():
         assert {"curve", "tokens_to_target", "final_acc", "entropy", "wall_s", "generated_tokens"} <= r.keys()
@@ -38,11 +38,11 @@ def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
         tokens = [t for t, _ in r["curve"]]
         assert tokens == sorted(tokens) and tokens[0] == 0 and tokens[-1] == r["generated_tokens"]
     assert runs["on-policy"]["config"]["replay_ratio"] == 0.0
-    assert runs["prior-replay"]["config"]["replay_ratio"] > 0.0
-    metrics = runs["prior-replay"]["buffer_metrics"]
+    assert runs["prior"]["config"]["replay_ratio"] > 0.0
+    metrics = runs["prior"]["buffer_metrics"]
     assert metrics["sampled_replay"] > 0 and metrics["reuse_mean"] >= 0.0
     # Replay trains on more rollouts for the same generated tokens: that is the whole point.
-    assert runs["prior-replay"]["trained_rollouts"] > runs["on-policy"]["trained_rollouts"]
+    assert runs["prior"]["trained_rollouts"] > runs["on-policy"]["trained_rollouts"]
     for r in runs.values():
         # Compute accounting: every trained token counted once per step it is trained on.
         assert r["trained_tokens"] >= r["trained_rollouts"] * (res["config"]["num_digits"] + 2)
@@ -50,7 +50,7 @@ def test_quick_outputs_exist_and_are_sane(quick_out) -> None:
                                              + r["trained_tokens"])
         assert len(r["compute_curve"]) == len(r["curve"]) and r["compute_curve"][-1][0] == pytest.approx(r["compute"])
     # Replay trains on more tokens per generated token, so it costs more compute per generated token.
-    assert runs["prior-replay"]["trained_tokens"] > runs["on-policy"]["trained_tokens"]
+    assert runs["prior"]["trained_tokens"] > runs["on-policy"]["trained_tokens"]
     for png in ("accuracy_vs_tokens.png", "accuracy_vs_compute.png"):
         assert (quick_out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (quick_out / "accuracy_vs_tokens.png").stat().st_size > 1000
@@ -73,12 +73,12 @@ def test_killed_demo_resumes_to_the_same_result(tmp_path, quick_out) -> None:
                             "--quick", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            timeout=600)
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
-    assert (out / "checkpoints" / "seed0-prior-replay" / "trainer" / "LATEST").exists()
+    assert (out / "checkpoints" / "seed0-prior" / "trainer" / "LATEST").exists()
     assert not (out / "results.json").exists()
     assert run(out=str(out), quick=True, resume=True) == 0
     resumed = json.loads((out / "results.json").read_text())["runs"]["0"]
     straight = json.loads((quick_out / "results.json").read_text())["runs"]["0"]
-    for arm in ("on-policy", "prior-replay"):
+    for arm in ("on-policy", "prior"):
         assert resumed[arm]["curve"] == straight[arm]["curve"], arm
         assert resumed[arm]["trained_rollouts"] == straight[arm]["trained_rollouts"]
     assert os.path.exists(out / "accuracy_vs_tokens.png")
@@ -89,7 +89,7 @@ def test_demo_checkpoints_to_s3(tmp_path, s3_server, s3_bucket) -> None:
     from torchreplay.checkpoint import open_store, read_manifest
 
     assert run(out=str(tmp_path), quick=True, s3=f"s3://{s3_bucket}/demo", endpoint_url=s3_server.endpoint_url) == 0
-    store = open_store(f"s3://{s3_bucket}/demo/seed0-prior-replay/buffer", s3_server.endpoint_url)
+    store = open_store(f"s3://{s3_bucket}/demo/seed0-prior/buffer", s3_server.endpoint_url)
     assert read_manifest(store)["rollouts"] > 0
     assert not (tmp_path / "checkpoints").exists()
 
@@ -173,7 +173,7 @@ def test_the_arithmetic_demo_writes_its_own_results(tmp_path) -> None:
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["config"]["task"] == "arithmetic" and res["config"]["target_acc"] == 0.5
     runs = res["runs"][str(res["seeds"][0])]
-    assert set(runs) == {"on-policy", "prior-replay"}
+    assert set(runs) == {"on-policy", "prior"}
     assert all(len(r["curve"]) == len(r["compute_curve"]) for r in runs.values())
     assert "reasoning-gym arithmetic" in (tmp_path / "table.txt").read_text()
 

@@ -8,7 +8,7 @@ import torch
 
 from torchreplay.demo import runner, state
 from torchreplay.demo.peer_arms import PromptStream, make_rule
-from torchreplay.demo.runner import ArmConfig
+from torchreplay.demo.arms import ArmConfig
 from torchreplay.demo.task import SortTask
 
 

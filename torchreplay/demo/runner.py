@@ -21,61 +21,13 @@ import torch
 
 import torchreplay as tr
 from torchreplay import rules
-from torchreplay.demo import report
+from torchreplay.demo import arms, report
+from torchreplay.demo.arms import ArmConfig
 from torchreplay.demo.grpo import group_advantages, grpo_loss
 from torchreplay.demo.peer_arms import PromptStream, make_rule, rule_rows
 from torchreplay.demo.policy import TinyCausalLM, generate, sft_warm_start
 from torchreplay.demo.state import TrainerCheckpoint, load_optimizer_state, optimizer_state
 from torchreplay.demo.task import SortTask
-
-
-@dataclass
-class ArmConfig:
-    """One training arm. ``replay_ratio == 0`` means plain on-policy GRPO with no buffer.
-
-    Attributes:
-        name: label in the table, plot and JSON.
-        lr: AdamW learning rate.
-        prompts_per_step: fresh prompts generated per optimizer step.
-        group_size: completions per prompt (the GRPO group).
-        replay_ratio: fraction of each training batch drawn from the buffer (``buf.compose``).
-        sampler: ``"prioritized"`` (|advantage|), ``"freshness"`` (|advantage| decayed by age,
-            time constant ``tau`` versions) or ``"uniform"``.
-        alpha, beta: prioritization exponent and IS-correction exponent of the prioritized sampler.
-        beta_anneal: raise beta linearly to 1 over the generation budget (PER's schedule).
-        weight_norm: the IS weights' normalization (``PrioritizedSampler(weight_norm=...)``).
-        keep_zero_advantage: give zero-advantage rollouts priority eps instead of 0.
-        tau: FreshnessSampler's time constant.
-        max_staleness: policy versions a rollout may lag before eviction.
-        max_reuse: times a rollout may be sampled before eviction.
-        capacity: buffer slots, in rollouts.
-        rule: a peer replay rule from `torchreplay.rules` (`peer_arms.RULES`): "group-swap" (TRL's
-            GRPOWithReplayBuffer), "response-reuse" (AR3PO), "prompt-replay" (RePO), or None. With
-            ``replay_ratio > 0`` as well, the sampler's draws join the rule's (a combination arm).
-        rule_per_prompt: stored rollouts a prompt may take per step (response-reuse, prompt-replay).
-        rule_strategy: prompt-replay's retrieval order ("recent", "reward" or "random").
-        rule_capacity: groups group-swap keeps.
-    """
-
-    name: str
-    lr: float
-    prompts_per_step: int
-    group_size: int
-    replay_ratio: float = 0.0
-    sampler: str = "prioritized"
-    alpha: float = 0.6
-    beta: float = 0.4
-    beta_anneal: bool = False
-    weight_norm: str = "batch_mean"
-    keep_zero_advantage: bool = False
-    tau: float = 4.0
-    max_staleness: int | None = 4
-    max_reuse: int | None = 4
-    capacity: int = 4096
-    rule: str | None = None
-    rule_per_prompt: int = 4
-    rule_strategy: str = "recent"
-    rule_capacity: int = 64
 
 
 @dataclass
@@ -126,27 +78,19 @@ class DemoConfig:
     arms: list[ArmConfig] = field(default_factory=list)
 
 
-# Each arm at its best on the replay study's tuning grid (benchmarks/replay_study.py, docs/demo_findings.md):
-# every arm got the same grid, and on both tasks all came out best at lr 3e-4 with 8 prompts x 8
-# rollouts. The prioritized arm takes PrioritizedSampler's defaults (alpha 0.6, batch_mean weights),
-# which the study chose.
-ON_POLICY = ArmConfig(name="on-policy", lr=3e-4, prompts_per_step=8, group_size=8)
-REPLAY = ArmConfig(name="prior-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5, max_staleness=4,
-                   max_reuse=4)
-UNIFORM = ArmConfig(name="uniform-replay", lr=3e-4, prompts_per_step=8, group_size=8, replay_ratio=0.5,
-                    sampler="uniform", max_staleness=4, max_reuse=4)
-
-
 def default_config(full: bool = False, quick: bool = False, task: str = "sort") -> DemoConfig:
-    """The demo's embedded defaults for `task`: 2 arms (3 with ``full``), or a few steps with ``quick``."""
+    """The demo's embedded defaults for `task`: on-policy and the library's prioritized replay, or
+    with ``full`` the study's winning arms for the task (`arms.FULL`), each at its tuned setting,
+    on the study's fixed prompt set; a few steps with ``quick``."""
     if task not in ("sort", "arithmetic"):
         raise ValueError(f"task must be 'sort' or 'arithmetic', got {task!r}")
-    arms = [copy.deepcopy(ON_POLICY), copy.deepcopy(REPLAY)] + ([copy.deepcopy(UNIFORM)] if full else [])
+    chosen = [arms.arm(name, task) for name in (arms.FULL[task] if full else arms.DEFAULT)]
     if task == "arithmetic":
         cfg = DemoConfig(task="arithmetic", num_terms=2, reward="exact", budget_tokens=200_000, target_acc=0.5,
-                         sft_steps=150, arms=arms)
+                         sft_steps=150, arms=chosen)
     else:
-        cfg = DemoConfig(arms=arms)
+        cfg = DemoConfig(arms=chosen)
+    cfg.prompt_pool = arms.PROMPT_POOL
     if quick:
         cfg.budget_tokens = 4_000
         cfg.eval_every_tokens = 1_000
