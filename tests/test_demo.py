@@ -176,11 +176,3 @@ def test_the_arithmetic_demo_writes_its_own_results(tmp_path) -> None:
     assert set(runs) == {"on-policy", "prior"}
     assert all(len(r["curve"]) == len(r["compute_curve"]) for r in runs.values())
     assert "reasoning-gym arithmetic" in (tmp_path / "table.txt").read_text()
-
-
-def test_full_mode_compares_the_three_arms_on_both_tasks() -> None:
-    from torchreplay.demo.runner import default_config
-
-    for task in ("sort", "arithmetic"):
-        names = [a.name for a in default_config(full=True, task=task).arms]
-        assert names[0] == "on-policy" and "uniform-replay" in names and any("prior" in n for n in names)

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo_output", help="directory for the demo's outputs")
     parser.add_argument("--seed", type=int, default=0)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--full", action="store_true", help="3 seeds and a uniform-replay arm")
+    mode.add_argument("--full", action="store_true",
+                      help="both tasks, 3 seeds, on-policy and the replay study's winning arms")
     mode.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
     parser.add_argument("--s3", default=None, metavar="URI", help="checkpoint to s3://bucket/prefix instead of a local dir")
     parser.add_argument("--endpoint-url", default=None, help="S3 endpoint URL (with --s3)")

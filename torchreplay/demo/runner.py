@@ -374,8 +374,9 @@ def run(
     Args:
         out: output directory (created).
         seed: base seed; ``full`` uses ``seed, seed + 1, seed + 2``.
-        full: 3 seeds and a third arm with uniform FIFO replay, on both tasks: the sort task's
-            outputs in ``out``, the arithmetic task's in ``out/arithmetic``.
+        full: 3 seeds of on-policy and the replay study's winning arms for each task
+            (`arms.FULL`), on both tasks: the sort task's outputs in ``out``, the arithmetic
+            task's in ``out/arithmetic``.
         task: ``"sort"`` or ``"arithmetic"`` (without ``full``).
         quick: a few steps only, for tests (well under a minute).
         resume: continue a killed demo: finished arms are read back from ``out/progress.json``, the
