@@ -149,6 +149,10 @@ def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
+def _fewer(saving: float) -> str:
+    return f"{saving:.0%} fewer" if saving >= 0 else f"{-saving:.0%} more"
+
+
 def task_title(summary: dict[str, Any]) -> str:
     what = "digit sort, partial credit" if summary["task"] == "sort" else "reasoning-gym arithmetic, 0/1 reward"
     return f"{what}, target {summary['target']:.0%}"
@@ -165,7 +169,7 @@ def final_table(summary: dict[str, Any]) -> list[str]:
         tokens = f"{_k(e['tokens_to_target'][0])} ± {_k(e['tokens_to_target'][1])}"
         if e["reached"] < n:
             tokens += f" ({e['reached']}/{n} reach it)"
-        saving = "-" if name == "on-policy" else _pct(e["token_saving"])
+        saving = "-" if name == "on-policy" else _fewer(e["token_saving"])
         compute = [f"{_k(e['compute_to_target'][k][0])} ({e['compute_ratio'][k]:.2f}x)" for k in ("R=1/3", "R=4", "R_80")]
         lines.append(f"| {LABELS.get(name, name)} | {s['lr']:g}, {s['prompts_per_step']}x{s['group_size']} | {tokens} "
                      f"| {saving} | {e['final_acc'][0]:.3f} ± {e['final_acc'][1]:.3f} | " + " | ".join(compute)
@@ -178,19 +182,23 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
     best = g["best_arm"]
     verdict = "met" if g["saving_goal_met"] else "missed"
     lines = [f"- **50% fewer generated tokens at equal or better accuracy: {verdict}.** The best arm, "
-             f"{LABELS.get(best, best)}, needs {_pct(g['best_saving'])} fewer than on-policy and ends "
+             f"{LABELS.get(best, best)}, needs {_fewer(g['best_saving'])} than on-policy and ends "
              f"{g['best_acc_vs_on_policy']:+.3f} in final accuracy."]
     if g["library_best"] is None:
         return lines
     ours = LABELS.get(g["library_best"], g["library_best"])
     verdict = "met" if g["peer_goal_met"] else "not met"
     lines.append(f"- **This library's best arm ({ours}) at least as good as each peer rule: {verdict}.**")
+    n = len(summary["seeds"])
     for peer, v in g["library_vs_peers"].items():
         mean, std = v["tokens_diff"]
+        # A paired difference within two standard errors of zero is a tie at this many seeds.
+        tie = abs(mean) <= 2 * std / n ** 0.5
         lines.append(f"  - against {LABELS.get(peer, peer)}: {'+' if mean >= 0 else '-'}{_k(abs(mean))} ± {_k(std)} "
-                     f"tokens to target per seed (fewer or equal on {v['seeds_ours_fewer_or_equal']}/"
-                     f"{len(summary['seeds'])} seeds), final accuracy {v['acc_diff']:+.3f}: "
-                     f"{'as good or better' if v['met'] else 'worse on tokens or accuracy'}.")
+                     f"tokens to target per seed (fewer or equal on {v['seeds_ours_fewer_or_equal']}/{n} seeds"
+                     f"{'; within two standard errors, a tie on tokens' if tie else ''}), final accuracy "
+                     f"{v['acc_diff']:+.3f}: {'as good or better' if v['met'] else 'worse on tokens or accuracy'} "
+                     "on the means.")
     return lines
 
 
@@ -205,7 +213,7 @@ def readme_table(summaries: list[dict[str, Any]]) -> str:
             if name == "on-policy":
                 tokens = f"{_k(e['tokens_to_target'][0])} ({e['reached']}/{n} seeds reach it)"
             else:
-                tokens = f"{_pct(e['token_saving'])} fewer"
+                tokens = _fewer(e["token_saving"])
             acc = f"{e['final_acc'][0]:.3f}"
             label = LABELS.get(name, name)
             if name == best:

@@ -134,3 +134,20 @@ def test_every_study_arm_builds_its_sampler_and_rule():
             epoch = replay_study.PROMPT_POOL // min(p for _, p, _ in replay_study.TUNING_GRID)
             assert arm.max_staleness >= epoch and arm.capacity >= arm.max_staleness * 64
         assert dataclasses.asdict(arm)["name"] == arm.name
+
+
+def test_runs_that_never_reach_the_target_are_ranked_by_final_accuracy():
+    """Two tuning runs that both miss the target tie on tokens, whatever each overshot the budget
+    by, so the more accurate one is the arm's best setting. Mutation caught: scoring a miss by its
+    own generated tokens (the worse run, stopping 10 tokens earlier, won; that chose lr 1e-3 for
+    TRL's group swap on arithmetic in the first pass of this study)."""
+    def run(lr, generated, acc):
+        return {"task": "arithmetic", "phase": "tune", "arm": {"name": "group-swap", "lr": lr},
+                "config": {"budget_tokens": 200_000},
+                "result": {"tokens_to_target": None, "generated_tokens": generated, "final_acc": acc}}
+
+    better, worse = run(3e-4, 200_100, 0.49), run(1e-3, 200_090, 0.28)
+    assert replay_study.score(better) < replay_study.score(worse)
+    assert replay_study.best_records([worse, better], "arithmetic")["group-swap"] is better
+    reached = dict(better, result=dict(better["result"], tokens_to_target=190_000, final_acc=0.3))
+    assert replay_study.score(reached) < replay_study.score(better)

@@ -114,9 +114,15 @@ def study_arms() -> list[ArmConfig]:
 
 
 # (lr, prompts per step, group size) each arm's tuning chose, per task (the study's summary.json).
+# Every arm was best at lr 3e-4 with 8 prompts x 8 rollouts on both tasks (an arm's entry here
+# overrides that).
 TUNED: dict[str, dict[str, tuple[float, int, int]]] = {"sort": {}, "arithmetic": {}}
 # What `torchreplay demo --full` runs per task: on-policy and the study's finalists that won.
-FULL: dict[str, tuple[str, ...]] = {"sort": (), "arithmetic": ()}
+# On both tasks the best arm was FreshnessSampler joined to AR3PO's response reuse; the library's
+# best sampler arm alone was FreshnessSampler on sort and uniform replay on arithmetic. The peer
+# rules on their own lost to it on both tasks and stay in the study.
+FULL: dict[str, tuple[str, ...]] = {"sort": ("on-policy", "freshness+response-reuse", "freshness"),
+                                    "arithmetic": ("on-policy", "freshness+response-reuse", "uniform-replay")}
 # `torchreplay demo` (one task, one seed): on-policy against the library's default sampler.
 DEFAULT = ("on-policy", "prior")
 
