@@ -115,8 +115,9 @@ def best_settings(records: list[dict[str, Any]], task: str) -> dict[str, ArmConf
 
 
 def final_arms(records: list[dict[str, Any]], task: str) -> list[ArmConfig]:
-    """The final phase's arms, each at its tuned setting: on-policy, this library's best sampler arm,
-    every peer rule, and the best of our sampler joined to a rule. ValueError until every arm has
+    """The final phase's arms, each at its tuned setting: on-policy, this library's best sampler arm
+    and its default one (PrioritizedSampler), every peer rule, and the best of our sampler joined to
+    a rule. ValueError until every arm has
     run the whole tuning grid (the choice must not depend on which runs happen to be done)."""
     names = [a.name for a in study_arms()]
     runs = {(r["arm"]["name"], r["key"]) for r in records if r["task"] == task and r["phase"] == "tune"}
@@ -125,7 +126,10 @@ def final_arms(records: list[dict[str, Any]], task: str) -> list[ArmConfig]:
         raise ValueError(f"{task}: tune phase incomplete for {', '.join(missing)}")
     best = best_records(records, task)
     combos = [n for n in names if "+" in n]
-    chosen = ["on-policy", min(LIBRARY_ARMS, key=lambda n: score(best[n])), *PEER_ARMS,
+    ours = min(LIBRARY_ARMS, key=lambda n: score(best[n]))
+    # The library's default sampler is what a user gets without choosing: it runs the final phase
+    # whether or not seed 0's tuning ranked it first.
+    chosen = ["on-policy", ours, *([arms.DEFAULT_REPLAY] if ours != arms.DEFAULT_REPLAY else []), *PEER_ARMS,
               min(combos, key=lambda n: score(best[n]))]
     return [ArmConfig(**best[n]["arm"]) for n in chosen]
 

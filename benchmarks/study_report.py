@@ -59,7 +59,9 @@ def final_runs(records: list[dict[str, Any]], task: str) -> tuple[dict[str, Any]
     final = [r for r in records if r["task"] == task and r["phase"] == "final"]
     if not final:
         raise ValueError(f"no final-phase records for {task}")
-    names = list(dict.fromkeys(r["arm"]["name"] for r in final))
+    order = [a.name for a in demo_arms.study_arms()]
+    names = sorted(dict.fromkeys(r["arm"]["name"] for r in final),
+                   key=lambda n: order.index(n) if n in order else len(order))
     by_seed: dict[int, dict[str, Any]] = {}
     arms: dict[str, dict[str, Any]] = {}
     for r in final:

@@ -48,11 +48,13 @@ def test_the_study_resumes_picks_its_final_arms_and_writes_the_docs(tmp_path, sm
     assert replay_study.main(["final", "--seeds", "2", *args]) == 0
     final = [json.loads(line) for line in out.read_text().splitlines()][len(tuned):]
     names = list(dict.fromkeys(r["arm"]["name"] for r in final))
-    assert names[0] == "on-policy" and names[1] in replay_study.LIBRARY_ARMS
-    assert names[2:5] == list(replay_study.PEER_ARMS) and "+" in names[5]
     best = replay_study.best_records(tuned, "sort")
-    assert names[1] == min(replay_study.LIBRARY_ARMS, key=lambda n: replay_study.score(best[n]))
-    assert {r["seed"] for r in final} == {0, 1} and len(final) == 12
+    ours = min(replay_study.LIBRARY_ARMS, key=lambda n: replay_study.score(best[n]))
+    assert names[:2] == ["on-policy", ours]
+    library = list(dict.fromkeys([ours, "prior"]))  # the default sampler runs the finals in any case
+    assert names[1:1 + len(library)] == library
+    assert names[1 + len(library):-1] == list(replay_study.PEER_ARMS) and "+" in names[-1]
+    assert {r["seed"] for r in final} == {0, 1} and len(final) == 2 * len(names)
     for rec in final:  # each at its tuned setting
         assert (rec["arm"]["lr"], rec["arm"]["prompts_per_step"]) == (best[rec["arm"]["name"]]["arm"]["lr"],
                                                                     best[rec["arm"]["name"]]["arm"]["prompts_per_step"])

@@ -124,7 +124,8 @@ TUNED: dict[str, dict[str, tuple[float, int, int]]] = {"sort": {}, "arithmetic":
 FULL: dict[str, tuple[str, ...]] = {"sort": ("on-policy", "freshness+response-reuse", "freshness"),
                                     "arithmetic": ("on-policy", "freshness+response-reuse", "uniform-replay")}
 # `torchreplay demo` (one task, one seed): on-policy against the library's default sampler.
-DEFAULT = ("on-policy", "prior")
+DEFAULT_REPLAY = "prior"
+DEFAULT = ("on-policy", DEFAULT_REPLAY)
 
 
 def arm(name: str, task: str) -> ArmConfig:
