@@ -263,8 +263,7 @@ def readme_section(summaries: list[dict[str, Any]], date: str) -> str:
              "trained tokens: 1/3 by FLOPs, 4 where generation is 80% of the GPU time "
              "([docs/demo_findings.md](docs/demo_findings.md), Compute accounting).", "", readme_table(summaries), ""]
     for summary in summaries:
-        lines.append(f"{task_title(summary)}:")
-        lines += goal_lines(summary)
+        lines += [f"{task_title(summary)}:", ""] + goal_lines(summary) + [""]
     return "\n".join(lines)
 
 
