@@ -91,12 +91,19 @@ def load(out: Path) -> list[dict[str, Any]]:
 
 
 def score(record: dict[str, Any]) -> tuple[float, float]:
-    """Lower is better: tokens to target, then -final accuracy. Every run that never reaches the
-    target ties on the first key (twice the budget, not its own token count: runs overshoot the
-    budget by different fractions of a step), so final accuracy ranks them."""
+    """Lower is better: tokens to target, then -final accuracy. Tokens are counted at the evaluation
+    that first saw the target (`study_report.tokens_to_target`: runs overshoot each evaluation point
+    by different fractions of a step), and every run that misses the target ties at twice the
+    budget, so final accuracy ranks runs that cross at the same evaluation, and misses."""
     r = record["result"]
-    reached = r["tokens_to_target"] if r["tokens_to_target"] is not None else 2 * record["config"]["budget_tokens"]
-    return float(reached), -float(r["final_acc"])
+    return float(study_report.tokens_to_target(record)), -float(r["final_acc"])
+
+
+def current(records: list[dict[str, Any]], cfg: DemoConfig) -> list[dict[str, Any]]:
+    """The records run at `cfg`'s budget and prompt pool (a smoke run at another budget, written to
+    the same file, must not count towards this study's grid or its tables)."""
+    return [r for r in records if r["task"] == cfg.task and r["config"]["budget_tokens"] == cfg.budget_tokens
+            and r["config"].get("prompt_pool") == cfg.prompt_pool]
 
 
 def best_records(records: list[dict[str, Any]], task: str) -> dict[str, dict[str, Any]]:
@@ -200,11 +207,12 @@ def write_report(task: str, out: Path, report_dir: Path) -> None:
     print("\n".join(lines))
 
 
-def write_docs(records: list[dict[str, Any]], report_dir: Path, readme: Path, findings: Path) -> None:
+def write_docs(records: list[dict[str, Any]], report_dir: Path, readme: Path, findings: Path,
+               budget: int | None = None) -> None:
     """Both tasks' summaries to `report_dir/summary.json`, and the README's and the findings page's
     generated sections rewritten from them (the date is the newest final run's)."""
     tasks = [t for t in ("arithmetic", "sort") if any(r["task"] == t and r["phase"] == "final" for r in records)]
-    summaries = [study_report.summarize_task(records, task) for task in tasks]
+    summaries = [study_report.summarize_task(current(records, task_config(task, budget)), task) for task in tasks]
     newest = max(r["unix_s"] for r in records if r["phase"] == "final")
     date = time.strftime("%Y-%m-%d", time.gmtime(newest))
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.task, args.out, args.report_dir)
         return 0
     if args.phase == "docs":
-        write_docs(load(args.out), args.report_dir, args.readme, args.findings)
+        write_docs(load(args.out), args.report_dir, args.readme, args.findings, args.budget)
         return 0
     if args.phase == "tune":
         arms = [a for a in study_arms() if args.arms is None or a.name in args.arms.split(",")]
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         execute(args.task, "tune", grid, [0], args.out, args.budget, args.append_to)
         return 0
     try:
-        chosen = final_arms(load(args.out), args.task)
+        chosen = final_arms(current(load(args.out), task_config(args.task, args.budget)), args.task)
     except ValueError as exc:
         print(f"run the tune phase first: {exc}", file=sys.stderr)
         return 2

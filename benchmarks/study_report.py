@@ -44,6 +44,17 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def tokens_to_target(record: dict[str, Any]) -> int:
+    """Generated tokens to the target, counted at the evaluation point that first saw it (a multiple
+    of `eval_every_tokens`: runs cross each point with different overshoots, and a few tokens of
+    overshoot must not rank two runs that crossed at the same evaluation); the whole budget for a
+    run that never reached it."""
+    cfg, reached = record["config"], record["result"]["tokens_to_target"]
+    if reached is None:
+        return int(cfg["budget_tokens"])
+    return int(reached) // int(cfg["eval_every_tokens"]) * int(cfg["eval_every_tokens"])
+
+
 def _first_reaching(points: list[tuple[float, float]], target: float) -> float | None:
     return next((x for x, acc in points if acc >= target), None)
 
@@ -82,7 +93,7 @@ def summarize_task(records: list[dict[str, Any]], task: str) -> dict[str, Any]:
     arms: dict[str, Any] = {}
     for name in names:
         mine = [runs[s][name] for s in seeds]
-        tokens = [r["tokens_to_target"] if r["tokens_to_target"] is not None else r["generated_tokens"] for r in mine]
+        tokens = [tokens_to_target({"config": cfg, "result": r}) for r in mine]
         entry: dict[str, Any] = {
             "setting": {k: meta["arms"][name][k] for k in ("lr", "prompts_per_step", "group_size")},
             "reached": sum(r["tokens_to_target"] is not None for r in mine),
@@ -99,7 +110,8 @@ def summarize_task(records: list[dict[str, Any]], task: str) -> dict[str, Any]:
             values = []
             for r in mine:
                 curve = compute_curve_at(r, price, recorded)
-                values.append(_first_reaching(curve, target) or curve[-1][0])
+                reached = _first_reaching(curve, target)
+                values.append(curve[-1][0] if reached is None else reached)
             entry["compute_to_target"][label] = _mean_std(values)
         arms[name] = entry
     base = arms["on-policy"]

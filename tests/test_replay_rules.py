@@ -173,6 +173,35 @@ def test_response_reuse_gives_an_all_wrong_group_the_newest_earlier_correct_resp
     assert torch.allclose(buf.ledger.slots.advantage[step.fresh.handles.slot], plan.fresh_advantage)
 
 
+def test_two_groups_of_one_prompt_in_a_batch_keep_their_own_statistics():
+    """A dataset with repeated questions puts two GRPO groups of the same prompt in one batch: each
+    rule works per group (`group_id`), not per prompt key. Mutation caught: grouping by prompt key
+    (the first version) merged them, so ResponseReuse found a correct answer in the merged group and
+    reused nothing, and GroupSwap saw variance and swapped nothing."""
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    old = seed(buf, index, group(A, [1, 0], 0, 0))
+    dead, alive = group(A, [0, 0], 1, 5), group(A, [1, 0, 0], 1, 6)
+    step = apply_rule(buf, index, ResponseReuse(correct_reward=1.0, per_prompt=1), cat(dead, alive))
+    assert step.plan.replay.slot.tolist() == rows(old, 0)
+    pooled = group_advantages(torch.tensor([0.0, 0.0, 1.0]))
+    assert torch.allclose(step.plan.fresh_advantage[:2], pooled[:2])
+    assert torch.equal(step.plan.fresh_advantage[2:], alive["advantage"])  # the other group: untouched
+
+    buf2 = make_buffer()
+    index2 = PromptIndex(buf2)
+    rule = GroupSwap(capacity=4)
+    apply_rule(buf2, index2, rule, group(B, [1, 0], 0, 0))
+    assert [len(h) for _, h in rule.groups] == [2]
+    plan = apply_rule(buf2, index2, rule, cat(group(A, [0, 0], 1, 1), group(A, [1, 0], 1, 2)),
+                      generator=torch.Generator().manual_seed(0)).plan
+    assert plan.fresh_train.tolist() == [False, False, True, True] and len(plan.replay) == 2
+    # Kept groups are GRPO groups: the A group with variance is kept alone, not merged with the dead one.
+    assert sorted(len(h) for _, h in rule.groups) == [2, 2]
+    with pytest.raises(ValueError, match="group_id"):
+        apply_rule(buf2, index2, rule, {k: v for k, v in group(A, [0, 1], 2, 3).items() if k != "group_id"})
+
+
 def test_response_reuse_respects_staleness_and_reuse_caps():
     """Fails if `replayable` drops its staleness test (the version-0 response is reused at version 2)."""
     buf = make_buffer(max_staleness=1, max_reuse=3)

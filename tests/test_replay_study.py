@@ -65,7 +65,7 @@ def test_the_study_resumes_picks_its_final_arms_and_writes_the_docs(tmp_path, sm
     readme, findings = tmp_path / "README.md", tmp_path / "findings.md"
     for path in (readme, findings):
         path.write_text(f"kept above\n{study_report.BEGIN}\nold table\n{study_report.END}\nkept below\n")
-    assert replay_study.main(["docs", "--out", str(out), "--report-dir", str(report_dir),
+    assert replay_study.main(["docs", "--out", str(out), "--report-dir", str(report_dir), "--budget", "600",
                               "--readme", str(readme), "--findings", str(findings)]) == 0
     summary = json.loads((report_dir / "summary.json").read_text())
     assert [s["task"] for s in summary] == ["sort"] and list(summary[0]["arms"]) == names
@@ -82,7 +82,8 @@ def _record(task, arm, seed, hits, budget=100_000, trained_per_generated=3.0):
     compute = [[t / 3 + t * trained_per_generated, a] for t, a in curve]
     return {"task": task, "phase": "final", "seed": seed, "unix_s": 0.0,
             "arm": {"name": arm, "lr": 3e-4, "prompts_per_step": 8, "group_size": 8},
-            "config": {"target_acc": 0.5, "budget_tokens": budget, "gen_cost_per_token": 1 / 3},
+            "config": {"target_acc": 0.5, "budget_tokens": budget, "gen_cost_per_token": 1 / 3,
+                       "eval_every_tokens": 10_000},
             "result": {"curve": curve, "compute_curve": compute, "final_acc": curve[-1][1],
                        "tokens_to_target": hits if hits is None else next(t for t, a in curve if a >= 0.5),
                        "generated_tokens": budget, "trained_tokens": budget * trained_per_generated,
@@ -145,7 +146,7 @@ def test_runs_that_never_reach_the_target_are_ranked_by_final_accuracy():
     TRL's group swap on arithmetic in the first pass of this study)."""
     def run(lr, generated, acc):
         return {"task": "arithmetic", "phase": "tune", "arm": {"name": "group-swap", "lr": lr},
-                "config": {"budget_tokens": 200_000},
+                "config": {"budget_tokens": 200_000, "eval_every_tokens": 10_000},
                 "result": {"tokens_to_target": None, "generated_tokens": generated, "final_acc": acc}}
 
     better, worse = run(3e-4, 200_100, 0.49), run(1e-3, 200_090, 0.28)

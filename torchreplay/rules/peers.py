@@ -23,7 +23,7 @@ import torch
 from torchreplay.assembly import Handles
 from torchreplay.buffer import RolloutBuffer
 from torchreplay.packed import Batch
-from torchreplay.rules.prompts import PromptIndex, with_prompt_keys, zero_variance_prompts
+from torchreplay.rules.prompts import PromptIndex, with_prompt_keys
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -39,10 +39,15 @@ def group_advantages(reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FreshGroups:
-    """The fresh batch as the rules see it: per row its prompt key, reward, advantage, and the
-    version the buffer will be at once the batch is stored."""
+    """The fresh batch as the rules see it: per row its prompt key, GRPO group, reward, advantage,
+    and the version the buffer will be at once the batch is stored.
+
+    A rule works on GRPO groups (`groups()`: the rows sharing a `group_id`), and looks up stored
+    rollouts by prompt key: one batch may hold two groups of the same prompt (a dataset with
+    repeated questions), and each keeps its own statistics."""
 
     prompt_key: torch.Tensor  # int64 [n]
+    group_id: torch.Tensor  # int64 [n]
     reward: torch.Tensor  # float32 [n]
     advantage: torch.Tensor  # float32 [n]
     version: int
@@ -55,22 +60,21 @@ class FreshGroups:
         reward = torch.as_tensor(reward, dtype=torch.float32).reshape(-1)
         if bool(torch.isnan(reward).any()):
             raise ValueError("field 'reward': the replay rules need every fresh reward (no NaN)")
+        if fresh.get("group_id") is None:
+            raise ValueError("field 'group_id': the replay rules need the fresh rows' GRPO groups")
         version = torch.as_tensor(fresh["policy_version"]).reshape(-1)
-        return cls(torch.as_tensor(fresh["prompt_key"], dtype=torch.int64).reshape(-1), reward,
+        return cls(torch.as_tensor(fresh["prompt_key"], dtype=torch.int64).reshape(-1),
+                   torch.as_tensor(fresh["group_id"], dtype=torch.int64).reshape(-1), reward,
                    torch.as_tensor(fresh["advantage"], dtype=torch.float32).reshape(-1),
                    max(buffer.version, int(version.max())))
 
-    def prompts(self) -> list[int]:
-        """The distinct prompt keys, in order of first appearance."""
-        keys, seen = [], set()
-        for key in self.prompt_key.tolist():
-            if key not in seen:
-                seen.add(key)
-                keys.append(key)
-        return keys
-
-    def rows(self, key: int) -> torch.Tensor:
-        return (self.prompt_key == key).nonzero().flatten()
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(prompt key, row indices) of each GRPO group, in order of first appearance; rows of one
+        `group_id` with different prompt keys are separate groups."""
+        order: dict[tuple[int, int], list[int]] = {}
+        for row, pair in enumerate(zip(self.group_id.tolist(), self.prompt_key.tolist())):
+            order.setdefault(pair, []).append(row)
+        return [(key, torch.tensor(rows, dtype=torch.int64)) for (_, key), rows in order.items()]
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,7 @@ class ResponseReuse(_PromptRetrieval):
              generator: torch.Generator | None = None) -> RulePlan:
         advantage, replay, replay_advantage, taken = groups.advantage.clone(), [], [], set()
         rewards = buffer.ledger.slots.reward
-        for key in groups.prompts():
-            rows = groups.rows(key)
+        for key, rows in groups.groups():
             if bool((groups.reward[rows] >= self.correct_reward).any()):
                 continue
             found = self.candidates(buffer, index, key, groups.version, taken)
@@ -206,8 +209,7 @@ class PromptReplay(_PromptRetrieval):
              generator: torch.Generator | None = None) -> RulePlan:
         advantage, replay, replay_advantage, taken = groups.advantage.clone(), [], [], set()
         rewards = buffer.ledger.slots.reward
-        for key in groups.prompts():
-            rows = groups.rows(key)
+        for key, rows in groups.groups():
             found = self.candidates(buffer, index, key, groups.version, taken)
             if self.strategy == "reward":
                 order = torch.argsort(rewards[found.slot], descending=True, stable=True)
@@ -255,20 +257,22 @@ class GroupSwap:
                        if int(h.slot.max()) < capacity and bool(replayable(buffer, h, groups.version).all())]
         train, replay, replay_advantage = torch.ones(groups.prompt_key.numel(), dtype=torch.bool), [], []
         scores = torch.tensor([s for s, _ in self.groups], dtype=torch.float64)
-        for key in zero_variance_prompts(groups.prompt_key, groups.reward).tolist():
+        for _, rows in groups.groups():
+            reward = groups.reward[rows]
+            if not bool((reward == reward[0]).all()):
+                continue
             if not bool((scores > 0).any()):
                 break
             pick = int(torch.multinomial(scores, 1, generator=generator))
             scores[pick] = 0  # without replacement: no rollout is read twice in one step
             handles = self.groups[pick][1]
-            train[groups.rows(key)] = False
+            train[rows] = False
             replay.append((handles.slot, handles.generation))
             replay_advantage.append(buffer.ledger.slots.advantage[handles.slot].clone())
         return RulePlan.build(groups, None, train, replay, replay_advantage)
 
     def observe(self, buffer: RolloutBuffer, groups: FreshGroups, handles: Handles, plan: RulePlan) -> None:
-        for key in groups.prompts():
-            rows = groups.rows(key)
+        for _, rows in groups.groups():
             if rows.numel() < 2 or not bool(plan.fresh_train[rows].all()):
                 continue
             score = float(plan.fresh_advantage[rows].abs().sum()) * float(groups.reward[rows].double().std())
