@@ -257,7 +257,9 @@ class GroupSwap:
                        if int(h.slot.max()) < capacity and bool(replayable(buffer, h, groups.version).all())]
         train, replay, replay_advantage = torch.ones(groups.prompt_key.numel(), dtype=torch.bool), [], []
         scores = torch.tensor([s for s, _ in self.groups], dtype=torch.float64)
-        for _, rows in groups.groups():
+        # Zero-variance groups are served in prompt-key order (the draw order only matters when kept
+        # groups run short; a fixed order keeps a run reproducible across batch layouts).
+        for _, rows in sorted(groups.groups(), key=lambda group: group[0]):
             reward = groups.reward[rows]
             if not bool((reward == reward[0]).all()):
                 continue
