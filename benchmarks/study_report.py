@@ -88,7 +88,8 @@ def summarize_task(records: list[dict[str, Any]], task: str) -> dict[str, Any]:
     target, budget, recorded = cfg["target_acc"], cfg["budget_tokens"], cfg["gen_cost_per_token"]
     seeds = sorted(runs)
     on = [runs[s]["on-policy"] for s in seeds]
-    price80 = 4.0 * statistics.fmean(r["trained_tokens"] for r in on) / statistics.fmean(r["generated_tokens"] for r in on)
+    trained, generated = (statistics.fmean(r[k] for r in on) for k in ("trained_tokens", "generated_tokens"))
+    price80 = 4.0 * trained / generated
     prices = {"R=1/3": 1 / 3, "R=4": 4.0, "R_80": price80}
     arms: dict[str, Any] = {}
     for name in names:
@@ -117,7 +118,8 @@ def summarize_task(records: list[dict[str, Any]], task: str) -> dict[str, Any]:
     base = arms["on-policy"]
     for name, entry in arms.items():
         entry["token_saving"] = 1 - entry["tokens_to_target"][0] / base["tokens_to_target"][0]
-        entry["compute_ratio"] = {k: v[0] / base["compute_to_target"][k][0] for k, v in entry["compute_to_target"].items()}
+        entry["compute_ratio"] = {k: v[0] / base["compute_to_target"][k][0]
+                                  for k, v in entry["compute_to_target"].items()}
         entry["wall_ratio"] = entry["wall_s"][0] / base["wall_s"][0]
     return {"task": task, "seeds": seeds, "target": target, "budget": budget, "prices": prices, "arms": arms,
             "goals": goals(arms)}
@@ -184,7 +186,8 @@ def final_table(summary: dict[str, Any]) -> list[str]:
         if e["reached"] < n:
             tokens += f" ({e['reached']}/{n} reach it)"
         saving = "-" if name == "on-policy" else _fewer(e["token_saving"])
-        compute = [f"{_k(e['compute_to_target'][k][0])} ({e['compute_ratio'][k]:.2f}x)" for k in ("R=1/3", "R=4", "R_80")]
+        compute = [f"{_k(e['compute_to_target'][k][0])} ({e['compute_ratio'][k]:.2f}x)"
+                   for k in ("R=1/3", "R=4", "R_80")]
         lines.append(f"| {LABELS.get(name, name)} | {s['lr']:g}, {s['prompts_per_step']}x{s['group_size']} | {tokens} "
                      f"| {saving} | {e['final_acc'][0]:.3f} ± {e['final_acc'][1]:.3f} | " + " | ".join(compute)
                      + f" | {e['wall_s'][0]:.0f} ({e['wall_ratio']:.2f}x) |")
@@ -240,7 +243,8 @@ def readme_table(summaries: list[dict[str, Any]]) -> str:
 def tuning_table(records: list[dict[str, Any]], task: str) -> list[str]:
     tuned = [r for r in records if r["task"] == task and r["phase"] == "tune"]
     names = list(dict.fromkeys(r["arm"]["name"] for r in tuned))
-    settings = list(dict.fromkeys((r["arm"]["lr"], r["arm"]["prompts_per_step"], r["arm"]["group_size"]) for r in tuned))
+    settings = list(dict.fromkeys((r["arm"]["lr"], r["arm"]["prompts_per_step"], r["arm"]["group_size"])
+                                  for r in tuned))
     head = " | ".join(f"lr {lr:g}, {p}x{g}" for lr, p, g in settings)
     lines = [f"| arm | {head} |", "| --- |" + " --- |" * len(settings)]
     for name in names:

@@ -408,3 +408,41 @@ def test_prompt_keys_survive_resharding(tmp_path):
             if rewards:
                 found[k] = (rank, sorted(rewards))
     assert found == {11: (0, [0.0, 1.0]), 22: (1, [0.0, 1.0, 1.0])}
+
+
+def test_bad_rule_arguments_are_refused_by_name_before_anything_changes():
+    """A bad replay_ratio is refused before the rule's reads count any use (mutation caught: the
+    check left to compose, after `gather` had counted uses); constructor and state arguments are
+    checked by name, never truncated (2.7 rollouts, 0.7 as slot 0)."""
+    buf = make_buffer()
+    index = PromptIndex(buf)
+    old = seed(buf, index, group(A, [1, 0], 0, 0))
+    before = buf.ledger.slots.reuse.clone()
+    for bad in (1.5, -0.1, float("nan"), "half"):
+        with pytest.raises(ValueError, match="replay_ratio"):
+            apply_rule(buf, index, PromptReplay(per_prompt=2), group(A, [0, 1], 1, 1), replay_ratio=bad)
+        assert torch.equal(buf.ledger.slots.reuse, before) and len(buf) == len(old)
+    refused = ((lambda: ResponseReuse(per_prompt=2.7), "per_prompt"),
+               (lambda: ResponseReuse(per_prompt=True), "per_prompt"),
+               (lambda: PromptReplay(per_prompt="3"), "per_prompt"),
+               (lambda: ResponseReuse(eps=-1.0), "eps"),
+               (lambda: PromptReplay(eps=float("nan")), "eps"),
+               (lambda: ResponseReuse(correct_reward=float("nan")), "correct_reward"),
+               (lambda: GroupSwap(capacity=2.5), "capacity"))
+    for make, match in refused:
+        with pytest.raises((TypeError, ValueError), match=match):
+            make()
+    rule = GroupSwap(capacity=4)
+    good = {"score": torch.tensor([1.0]), "size": torch.tensor([2]), "slot": torch.tensor([0, 1]),
+            "generation": torch.tensor([0, 0])}
+    for change, error, match in (({"slot": torch.tensor([0.7, 1.0])}, TypeError, "'slot'"),
+                                 ({"generation": torch.tensor([-1, 0])}, ValueError, "'generation'"),
+                                 ({"score": torch.tensor([True])}, TypeError, "'score'"),
+                                 ({"size": torch.tensor([[2]])}, TypeError, "'size'")):
+        with pytest.raises(error, match=match):
+            rule.load_state_dict(dict(good, **change))
+    with pytest.raises(ValueError, match="'generation'"):
+        rule.load_state_dict({k: v for k, v in good.items() if k != "generation"})
+    assert rule.groups == []
+    rule.load_state_dict(good)
+    assert [(s, h.slot.tolist()) for s, h in rule.groups] == [(1.0, [0, 1])]

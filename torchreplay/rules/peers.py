@@ -15,6 +15,7 @@ What corrects for the replayed rows' older behaviour policy is the clipped per-t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -22,10 +23,22 @@ import torch
 
 from torchreplay.assembly import Handles
 from torchreplay.buffer import RolloutBuffer
+from torchreplay.checks import check_int
+from torchreplay.ledger import replay_count
 from torchreplay.packed import Batch
 from torchreplay.rules.prompts import PromptIndex, with_prompt_keys
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _check_real(value: Any, name: str, positive: bool = False) -> float:
+    """`value` as a float when it is a finite real number (not a bool), > 0 with `positive`;
+    otherwise TypeError or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value!r}")
+    return float(value)
 
 
 def group_advantages(reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -155,9 +168,9 @@ class ResponseReuse(_PromptRetrieval):
     caller's advantages and nothing is reused for it. IS weights: 1 (see the module docstring)."""
 
     def __init__(self, correct_reward: float = 1.0, per_prompt: int = 1, eps: float = 1e-6) -> None:
-        if per_prompt < 1:
-            raise ValueError(f"per_prompt must be >= 1, got {per_prompt}")
-        self.correct_reward, self.per_prompt, self.eps = float(correct_reward), int(per_prompt), float(eps)
+        self.correct_reward = _check_real(correct_reward, "correct_reward")
+        self.per_prompt = check_int(per_prompt, "per_prompt", low=1)
+        self.eps = _check_real(eps, "eps", positive=True)
 
     def plan(self, buffer: RolloutBuffer, index: PromptIndex, groups: FreshGroups,
              generator: torch.Generator | None = None) -> RulePlan:
@@ -197,8 +210,8 @@ class PromptReplay(_PromptRetrieval):
 
     def __init__(self, per_prompt: int = 4, strategy: str = "recent", advantage: str = "separate",
                  eps: float = 1e-6) -> None:
-        if per_prompt < 1:
-            raise ValueError(f"per_prompt must be >= 1, got {per_prompt}")
+        check_int(per_prompt, "per_prompt", low=1)
+        _check_real(eps, "eps", positive=True)
         if strategy not in self.STRATEGIES:
             raise ValueError(f"strategy must be one of {self.STRATEGIES}, got {strategy!r}")
         if advantage not in self.ADVANTAGES:
@@ -245,9 +258,7 @@ class GroupSwap:
     with the advantages it was scored with); fresh advantages are the caller's. IS weights: 1."""
 
     def __init__(self, capacity: int = 64) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = int(capacity)
+        self.capacity = check_int(capacity, "capacity", low=1)
         self.groups: list[tuple[float, Handles]] = []  # (score, the group's rollouts)
 
     def plan(self, buffer: RolloutBuffer, index: PromptIndex, groups: FreshGroups,
@@ -295,16 +306,27 @@ class GroupSwap:
         """Adopt `state_dict()`'s output, checked first (a bad one is a ValueError and changes nothing).
         Kept groups are handles into the buffer restored with them: one whose rollouts died since is
         dropped at the next `plan`."""
-        score, size = torch.as_tensor(state["score"]).reshape(-1), torch.as_tensor(state["size"]).reshape(-1)
-        slot, generation = torch.as_tensor(state["slot"]).reshape(-1), torch.as_tensor(state["generation"]).reshape(-1)
+        parts = {}
+        for name in ("score", "size", "slot", "generation"):
+            if name not in state:
+                raise ValueError(f"GroupSwap state: no '{name}'")
+            value = state[name]
+            if not isinstance(value, torch.Tensor) or value.dim() != 1:
+                raise TypeError(f"GroupSwap state: '{name}' must be a 1-D tensor, got {type(value).__name__}")
+            floating = name == "score"
+            if value.dtype == torch.bool or value.is_floating_point() != floating or value.is_complex():
+                raise TypeError(f"GroupSwap state: '{name}' must be a {'float' if floating else 'integer'} tensor, "
+                                f"got {value.dtype}")
+            parts[name] = value
+        score, size, slot, generation = parts["score"], parts["size"], parts["slot"], parts["generation"]
         if score.numel() != size.numel() or score.numel() > self.capacity:
             raise ValueError(f"GroupSwap state: {score.numel()} scores, {size.numel()} sizes, capacity {self.capacity}")
         if bool((size < 1).any()) or int(size.sum()) != slot.numel() or slot.numel() != generation.numel():
             raise ValueError("GroupSwap state: group sizes do not match the slots and generations")
         if not bool(torch.isfinite(score).all()) or bool((score <= 0).any()):
             raise ValueError("GroupSwap state: scores must be finite and > 0")
-        if bool((slot < 0).any()):
-            raise ValueError("GroupSwap state: slots must be >= 0")
+        if bool((slot < 0).any()) or bool((generation < 0).any()):
+            raise ValueError("GroupSwap state: 'slot' and 'generation' must be >= 0")
         parts = zip(slot.to(torch.int64).split(size.tolist()), generation.to(torch.int64).split(size.tolist()))
         self.groups = [(float(sc), Handles(sl, gen)) for sc, (sl, gen) in zip(score.tolist(), parts)]
 
@@ -330,11 +352,14 @@ def apply_rule(buffer: RolloutBuffer, index: PromptIndex, rule: GroupRule, fresh
     with their stored advantages and IS weights), and on `replayed` with `plan.replay_advantage`
     and `plan.replay_weights`. The sampler's draw and the rule's are independent: a rollout both
     pick trains twice that step and counts twice towards `max_reuse`. Not all-or-nothing across its
-    two calls: a `fresh` that `compose` refuses leaves the planned rows' uses counted (each call by itself changes nothing when it fails).
+    two calls: a `fresh` that `compose` refuses leaves the planned rows' uses counted (each call by
+    itself changes nothing when it fails; a bad `replay_ratio` is refused before either).
     A rule's own state (GroupSwap's kept groups) is not part of the buffer's checkpoints: save its
     `state_dict()` with the trainer's."""
     fresh = with_prompt_keys(fresh)
     groups = FreshGroups.of(buffer, fresh)
+    if replay_ratio is not None:  # refused before the rule's reads count any use
+        replay_count(groups.prompt_key.numel(), replay_ratio, None, None)
     plan = rule.plan(buffer, index, groups, generator)
     replayed = buffer.gather(plan.replay.slot, layout=layout) if len(plan.replay) else None
     amount = {"n_replay": 0} if replay_ratio is None else {"replay_ratio": replay_ratio}
