@@ -154,3 +154,22 @@ def test_runs_that_never_reach_the_target_are_ranked_by_final_accuracy():
     assert replay_study.best_records([worse, better], "arithmetic")["group-swap"] is better
     reached = dict(better, result=dict(better["result"], tokens_to_target=190_000, final_acc=0.3))
     assert replay_study.score(reached) < replay_study.score(better)
+
+
+def test_runs_crossing_at_one_evaluation_tie_on_tokens_and_other_budgets_are_left_out(small_study):
+    """Tokens to target count at the evaluation that saw it: two runs that crossed at the 100K
+    evaluation, 5 tokens of step overshoot apart, tie on tokens and the more accurate one ranks
+    first (mutation caught: raw token counts ranked the less accurate run first). A record at
+    another budget or pool (a smoke run in the same file) is not this study's."""
+    def run(reached, acc, budget=200_000, pool=8):
+        return {"task": "arithmetic", "phase": "tune", "arm": {"name": "prior", "lr": 3e-4},
+                "config": {"budget_tokens": budget, "eval_every_tokens": 10_000, "prompt_pool": pool},
+                "result": {"tokens_to_target": reached, "generated_tokens": budget, "final_acc": acc}}
+
+    early, accurate = run(100_005, 0.55), run(100_010, 0.60)
+    assert study_report.tokens_to_target(early) == study_report.tokens_to_target(accurate) == 100_000
+    assert replay_study.score(accurate) < replay_study.score(early)
+    assert study_report.tokens_to_target(run(None, 0.4)) == 200_000
+    cfg = replay_study.task_config("arithmetic", 200_000)
+    smoke, other_pool = run(4_000, 0.9, budget=4_000), run(90_000, 0.9, pool=1024)
+    assert replay_study.current([early, smoke, other_pool], cfg) == [early]
