@@ -11,8 +11,9 @@ Conventions (stated in the generated text too):
   token against 6N for a training step: Kaplan et al. 2020, sec. 2.1). R = 4 is the generation
   share the field reports: generation is about 80% of an on-policy GRPO step's GPU time, so
   generating costs 0.8 / 0.2 = 4 times training, and with about one trained token per generated
-  one (responses dominate LLM RL sequences) a generated token costs 4 trained ones. This demo's
-  prompts are as long as its answers, so it trains many tokens per generated one; R_80 is the
+  one (responses dominate LLM RL sequences) a generated token costs 4 trained ones. This demo
+  trains every prompt position too, and its prompts are as long as its answers (sort) or much
+  longer (arithmetic), so it trains several tokens per generated one; R_80 is the
   price at which generation is 80% of *this* on-policy arm's compute: R_80 = 4 * T / G, with T and
   G its trained and generated tokens.
 """
@@ -194,8 +195,14 @@ def final_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ratios(entry: dict[str, Any]) -> str:
+    return f"{entry['compute_ratio']['R=1/3']:.2f}x / {entry['compute_ratio']['R=4']:.2f}x"
+
+
 def goal_lines(summary: dict[str, Any]) -> list[str]:
-    g = summary["goals"]
+    """The goals' verdicts in words. The peer verdict is on generated tokens and final accuracy (the
+    issue's terms); each line also gives both arms' compute, where a peer can be the cheaper."""
+    g, arms = summary["goals"], summary["arms"]
     best = g["best_arm"]
     verdict = "met" if g["saving_goal_met"] else "missed"
     lines = [f"- **50% fewer generated tokens at equal or better accuracy: {verdict}.** The best arm, "
@@ -215,7 +222,8 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
                      f"tokens to target per seed (fewer or equal on {v['seeds_ours_fewer_or_equal']}/{n} seeds"
                      f"{'; within two standard errors, a tie on tokens' if tie else ''}), final accuracy "
                      f"{v['acc_diff']:+.3f}: {'as good or better' if v['met'] else 'worse on tokens or accuracy'} "
-                     "on the means.")
+                     f"on the means. Compute to target against on-policy, R=1/3 / R=4: ours "
+                     f"{_ratios(arms[g['library_best']])}, theirs {_ratios(arms[peer])}.")
     return lines
 
 
@@ -286,7 +294,8 @@ def readme_section(summaries: list[dict[str, Any]], date: str) -> str:
 def findings_section(summaries: list[dict[str, Any]], records: list[dict[str, Any]], date: str) -> str:
     lines = [f"Measured {date} on this project's 2-core CPU machine; written by "
              "`python benchmarks/replay_study.py docs` from `benchmarks/results/replay_study.jsonl`. "
-             "± is the standard deviation over seeds. A run that never reaches the target counts as its "
+             "± is the standard deviation over seeds. Generated tokens to target are counted at the "
+             "evaluation that first saw it; a run that never reaches the target counts as its "
              "whole budget; savings and compute ratios are of the means. Compute to target is in "
              "trained-token units, generated x R + trained, at three prices R of a generated token "
              "(derivation under Compute accounting); the ratio in brackets is against on-policy. "
