@@ -118,12 +118,12 @@ def study_arms() -> list[ArmConfig]:
 # overrides that).
 TUNED: dict[str, dict[str, tuple[float, int, int]]] = {"sort": {}, "arithmetic": {}}
 # What `torchreplay demo --full` runs per task: on-policy and the study's finalists that won.
-# On both tasks the best arm was FreshnessSampler joined to AR3PO's response reuse. This library's
-# best sampler arm alone, over the final phase's 5 seeds: FreshnessSampler on sort (tied with
-# PrioritizedSampler to 12 tokens), PrioritizedSampler on arithmetic. The peer rules on their own
-# lost to it on both tasks and stay in the study.
-FULL: dict[str, tuple[str, ...]] = {"sort": ("on-policy", "freshness+response-reuse", "freshness"),
-                                    "arithmetic": ("on-policy", "freshness+response-reuse", "prior")}
+# The best arm joined FreshnessSampler to a prompt-level rule on both tasks: AR3PO's response reuse
+# on sort, RePO's prompt replay on arithmetic. This library's best sampler arm alone, over the final
+# phase's 5 seeds, was PrioritizedSampler on both (tied with FreshnessSampler on sort). The peer
+# rules on their own lost to it on tokens and stay in the study.
+FULL: dict[str, tuple[str, ...]] = {"sort": ("on-policy", "freshness+response-reuse", "prior"),
+                                    "arithmetic": ("on-policy", "freshness+prompt-replay", "prior")}
 # `torchreplay demo` (one task, one seed): on-policy against the library's default sampler.
 DEFAULT_REPLAY = "prior"
 DEFAULT = ("on-policy", DEFAULT_REPLAY)
