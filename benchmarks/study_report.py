@@ -250,7 +250,9 @@ def readme_table(summaries: list[dict[str, Any]]) -> str:
 
 def tuning_table(records: list[dict[str, Any]], task: str) -> list[str]:
     tuned = [r for r in records if r["task"] == task and r["phase"] == "tune"]
-    names = list(dict.fromkeys(r["arm"]["name"] for r in tuned))
+    order = [a.name for a in demo_arms.study_arms()]
+    names = sorted(dict.fromkeys(r["arm"]["name"] for r in tuned),
+                   key=lambda n: order.index(n) if n in order else len(order))
     settings = list(dict.fromkeys((r["arm"]["lr"], r["arm"]["prompts_per_step"], r["arm"]["group_size"])
                                   for r in tuned))
     head = " | ".join(f"lr {lr:g}, {p}x{g}" for lr, p, g in settings)
