@@ -9,6 +9,7 @@ that unpins the plan's shards.
 
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,9 +105,7 @@ class ReplayBatch:
         """Move every tensor. From the CPU to CUDA this goes through pinned memory, non-blocking."""
         device = torch.device(device)
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return move_tensor(t, device)
-
+        move = functools.partial(move_tensor, device=device)
         return ReplayBatch.assembled({k: move(v) for k, v in self.data.items()}, self.handles,
                                      **{name: move(getattr(self, name)) for name in self.BOOKKEEPING},
                                      token_fields=self.token_fields, pad_token_id=self.pad_token_id)

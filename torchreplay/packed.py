@@ -12,6 +12,7 @@ pass); `to_packed` and `PackedReplayBatch.to_padded` convert either way, bit for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -96,9 +97,7 @@ class PackedReplayBatch:
         """Move every tensor. From the CPU to CUDA this goes through pinned memory, non-blocking."""
         device = torch.device(device)
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return move_tensor(t, device)
-
+        move = functools.partial(move_tensor, device=device)
         derived = self.derived_position_ids
         return PackedReplayBatch(data={k: move(v) for k, v in self.data.items()}, handles=self.handles,
                                  **{name: move(getattr(self, name)) for name in (*self.BOOKKEEPING, *self.LAYOUT)},
